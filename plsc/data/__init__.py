@@ -1,0 +1,1 @@
+"""Datasets and file formats for face-recognition training."""

@@ -1,0 +1,45 @@
+"""plsc: PaddlePaddle large-scale classification (model-parallel softmax, Partial FC)."""
+import os
+import re
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+    with open(os.path.join(HERE, "plsc", "__init__.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+def _readme():
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+setup(
+    name="plsc",
+    version=_version(),
+    description="Model-parallel softmax and Partial FC for million-class training in PaddlePaddle",
+    long_description=_readme(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["plsc", "plsc.*"]),
+    python_requires=">=3.8",
+    # Paddle is not a hard requirement: CPU users take the `cpu` extra,
+    # GPU users install the paddlepaddle-gpu wheel that matches their CUDA.
+    install_requires=[
+        "numpy>=1.21",
+        "pyyaml>=5.4",
+        "opencv-python>=4.5",
+        "visualdl>=2.5",
+    ],
+    extras_require={
+        "cpu": ["paddlepaddle>=3.0"],
+        "test": ["pytest>=7"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
