@@ -1,0 +1,106 @@
+"""Collectives used by the head, with gloo fallbacks and autograd rules.
+
+Raw functions (`gather_concat`, `reduce_scatter_sum`, `all_reduce_`) do not
+record gradients. `all_gather` and `reduce_scatter` are differentiable: the
+backward of an all-gather is a reduce-scatter (sum) and vice versa. For a
+world of size 1 every function returns its input.
+"""
+import paddle
+import paddle.distributed as dist
+from paddle.autograd import PyLayer
+
+__all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_",
+           "all_gather", "reduce_scatter"]
+
+# Backends whose process group implements reduce_scatter (gloo does not).
+_REDUCE_SCATTER_BACKENDS = ("NCCL", "BKCL", "XCCL", "FLAGCX")
+
+
+def group_rank_size(group=None):
+    """(rank, world size) of this process within `group` (default: the world)."""
+    if group is not None:
+        return group.rank, group.nranks
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def gather_concat(x, group=None):
+    """Concatenate `x` of every rank along axis 0, in rank order.
+
+    All ranks must pass tensors of the same shape and dtype.
+    """
+    _, k = group_rank_size(group)
+    if k == 1:
+        return x
+    parts = []
+    dist.all_gather(parts, x, group=group)
+    return paddle.concat(parts, axis=0)
+
+
+def reduce_scatter_sum(x, group=None):
+    """Sum `x` over ranks and return this rank's `1/k` slice along axis 0."""
+    r, k = group_rank_size(group)
+    if k == 1:
+        return x
+    n = x.shape[0]
+    if n % k:
+        raise ValueError(f"reduce_scatter needs axis 0 ({n}) divisible by the world size ({k})")
+    b = n // k
+    if dist.get_backend(group) in _REDUCE_SCATTER_BACKENDS:
+        out = paddle.empty([b] + list(x.shape[1:]), dtype=x.dtype)
+        dist.reduce_scatter(out, list(paddle.split(x, k, axis=0)), op=dist.ReduceOp.SUM, group=group)
+        return out
+    total = x.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total[r * b:(r + 1) * b].clone()
+
+
+def all_reduce_(x, op="sum", group=None):
+    """In-place all-reduce with op "sum" or "max"; returns `x`."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+    if group_rank_size(group)[1] > 1:
+        dist.all_reduce(x, op=ops[op], group=group)
+    return x
+
+
+class _AllGather(PyLayer):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_concat(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sum(grad, ctx.group)
+
+
+class _ReduceScatter(PyLayer):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_concat(grad, ctx.group)
+
+
+def all_gather(x, group=None):
+    """Differentiable all-gather along axis 0; backward is a reduce-scatter (sum)."""
+    if group_rank_size(group)[1] == 1:
+        return x
+    if x.stop_gradient:
+        return gather_concat(x, group)
+    return _AllGather.apply(x, group)
+
+
+def reduce_scatter(x, group=None):
+    """Differentiable reduce-scatter (sum) along axis 0; backward is an all-gather."""
+    if group_rank_size(group)[1] == 1:
+        return x
+    if x.stop_gradient:
+        return reduce_scatter_sum(x, group)
+    return _ReduceScatter.apply(x, group)

@@ -1,0 +1,51 @@
+"""The process group: initialisation, rank, world size and backend."""
+import os
+
+import paddle
+import paddle.distributed as dist
+
+__all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size"]
+
+
+def launched_world_size():
+    """World size announced by `paddle.distributed.launch`/`spawn` (1 when not launched)."""
+    return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+
+
+def _default_backend():
+    place = paddle.get_device()
+    return "nccl" if place.startswith("gpu") else "gloo"
+
+
+def init(backend="auto"):
+    """Initialise the collective environment once.
+
+    `backend` is "auto" (NCCL where the current device is a GPU, gloo on CPU),
+    "nccl" or "gloo". When the process was not launched with several ranks
+    this is a no-op and the world has size 1.
+    """
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    if launched_world_size() <= 1 or dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = _default_backend()
+    os.environ["PADDLE_DISTRI_BACKEND"] = backend
+    dist.init_parallel_env()
+
+
+def is_initialized():
+    return dist.is_initialized()
+
+
+def get_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def get_backend():
+    """'GLOO', 'NCCL', ... of the default group; None for a world of size 1."""
+    return dist.get_backend() if dist.is_initialized() else None

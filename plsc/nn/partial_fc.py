@@ -1,0 +1,111 @@
+"""PartialFC: the class-sharded classification head."""
+import paddle
+from paddle import nn
+
+from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
+from ..loss import ArcFace, Margin
+from .parallel_softmax import parallel_softmax_cross_entropy
+
+__all__ = ["PartialFC"]
+
+
+class PartialFC(nn.Layer):
+    """Margin-softmax head whose classes are split across the ranks of `group`.
+
+    `loss = head(local_embeddings, local_labels)` is the mean loss over the
+    global batch (all ranks' samples), the same value on every rank, and the
+    gradients of `local_embeddings`, `head.weight` (and `head.bias`) are its
+    exact partial derivatives.
+
+    Args:
+        embedding_size: d, the width of the embeddings.
+        num_classes: C, the total number of classes across ranks.
+        margin: a `plsc.loss.Margin` (default `ArcFace()`); `Softmax()` adds a bias.
+        sample_ratio: fraction of this rank's class centres used per step (1.0: all).
+        group: process group that shares the classes (default: the world).
+        init_std: standard deviation of the normal initialisation of the centres.
+        check_inputs: validate labels and batch sizes across ranks every step
+            (one tiny all-gather), so that bad input raises on every rank
+            instead of hanging or corrupting a collective.
+    """
+
+    def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, group=None,
+                 init_std=0.01, check_inputs=True):
+        super().__init__()
+        margin = ArcFace() if margin is None else margin
+        if not isinstance(margin, Margin):
+            raise TypeError(f"margin must be a plsc.loss.Margin, got {type(margin).__name__}")
+        if int(embedding_size) < 1:
+            raise ValueError(f"embedding_size must be >= 1, got {embedding_size}")
+        if not 0.0 < float(sample_ratio) <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+        if float(sample_ratio) < 1.0:
+            raise NotImplementedError("sample_ratio < 1 (class-centre sampling) is not implemented yet")
+        self.embedding_size = int(embedding_size)
+        self.num_classes = int(num_classes)
+        self.margin = margin
+        self.sample_ratio = float(sample_ratio)
+        self.group = group
+        self.check_inputs = bool(check_inputs)
+        self.rank, self.world_size = group_rank_size(group)
+        self.partition = ClassPartition(self.num_classes, self.world_size)
+        self.class_start = self.partition.class_start(self.rank)
+        self.num_local = self.partition.num_local(self.rank)
+        self.weight = self.create_parameter(
+            [self.num_local, self.embedding_size], dtype="float32",
+            default_initializer=nn.initializer.Normal(0.0, init_std))
+        self.bias = None
+        if not margin.normalized:
+            self.bias = self.create_parameter([self.num_local], dtype="float32", is_bias=True,
+                                              default_initializer=nn.initializer.Constant(0.0))
+        self.sample_loss = None
+
+    def forward(self, embeddings, labels):
+        labels = self._check_local(embeddings, labels)
+        if self.check_inputs:
+            self._check_across_ranks(labels)
+        global_labels = gather_concat(labels, self.group)
+        local_target = self.partition.shard_labels(global_labels, self.rank)
+        weight, bias, local_target = self._select_centres(local_target)
+        features = all_gather(embeddings.astype("float32"), self.group)
+        losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
+                                                self.group)
+        b = labels.shape[0]
+        self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
+        return losses.mean()
+
+    def _select_centres(self, local_target):
+        """The class centres that take part in this step (all of them at ratio 1)."""
+        return self.weight, self.bias, local_target
+
+    def _check_local(self, embeddings, labels):
+        if embeddings.ndim != 2 or embeddings.shape[1] != self.embedding_size:
+            raise ValueError(f"embeddings must have shape [batch, {self.embedding_size}], "
+                             f"got {list(embeddings.shape)}")
+        if labels.dtype not in (paddle.int32, paddle.int64):
+            raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
+        labels = labels.reshape([-1]).astype("int64")
+        if labels.shape[0] != embeddings.shape[0]:
+            raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")
+        return labels
+
+    def _check_across_ranks(self, labels):
+        """Every rank learns every rank's batch size and first bad label, then all raise alike."""
+        bad = paddle.logical_or(labels < 0, labels >= self.num_classes)
+        n_bad = int(bad.astype("int64").sum())
+        first_bad = int(paddle.masked_select(labels, bad)[0]) if n_bad else 0
+        info = paddle.to_tensor([labels.shape[0], n_bad, first_bad], dtype="int64")
+        table = gather_concat(info, self.group).reshape([-1, 3]).numpy()
+        for rank, (_, count, value) in enumerate(table):
+            if count:
+                raise ValueError(f"label {value} on rank {rank} is outside [0, {self.num_classes}) "
+                                 f"({count} bad label(s) in that rank's batch)")
+        sizes = table[:, 0].tolist()
+        if len(set(sizes)) > 1:
+            raise ValueError(f"local batch sizes differ across ranks: {sizes}; PartialFC needs the "
+                             "same batch size on every rank (use drop_last=True in the sampler)")
+
+    def extra_repr(self):
+        return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
+                f"class_start={self.class_start}, num_local={self.num_local}, "
+                f"margin={self.margin}, sample_ratio={self.sample_ratio}")

@@ -1,0 +1,70 @@
+"""The head on 2, 3 and 4 real gloo ranks against the dense and PLSC-literal oracles.
+
+Each world size is one spawned group (tests/head_ranks.py) that runs every
+case; the tests below read its report.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD_SIZES = (2, 3, 4)
+_reports = {}
+
+
+def report(world_size, tmp_path_factory):
+    if world_size not in _reports:
+        out = tmp_path_factory.mktemp(f"ranks{world_size}") / "report.json"
+        cmd = [sys.executable, os.path.join(HERE, "head_ranks.py"), "--nprocs", str(world_size),
+               "--out", str(out)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(out.parent))
+        except subprocess.TimeoutExpired as e:  # a hang is a failure, not a stuck CI
+            pytest.fail(f"{world_size} ranks timed out (hang?):\n{(e.stderr or '')[-3000:]}")
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"{world_size} ranks failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
+        _reports[world_size] = json.loads(out.read_text())
+    return _reports[world_size]
+
+
+def case(world_size, name, tmp_path_factory):
+    result = report(world_size, tmp_path_factory)[name]
+    assert result is not None
+    if "error" in result:
+        pytest.fail(result["error"])
+    return result
+
+
+def _oracle_cases():
+    from head_ranks import CLASS_COUNTS, margins
+    return [f"{m}-C{c}" for c in CLASS_COUNTS for m in margins()]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", _oracle_cases())
+def test_head_matches_oracles(world_size, name, tmp_path_factory):
+    errs = case(world_size, name, tmp_path_factory)
+    for key, (err, allowed) in errs.items():
+        assert err <= allowed, (key, err, allowed)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_collectives(world_size, tmp_path_factory):
+    result = case(world_size, "collectives", tmp_path_factory)
+    assert all(result.values()), result
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_bad_input_raises_on_every_rank(world_size, tmp_path_factory):
+    result = case(world_size, "bad_input", tmp_path_factory)
+    assert result["bad_label"].startswith("label 23 on rank 1 is outside [0, 23)")
+    assert result["negative_label"].startswith("label -4 on rank 0 is outside [0, 23)")
+    assert "local batch sizes differ across ranks: [5, 4" in result["uneven_batch"]
+    assert result["same_on_all_ranks"] and result["after_errors_ok"]
+
+
+def test_backend_is_gloo_on_cpu(tmp_path_factory):
+    assert report(2, tmp_path_factory)["backend"] == "GLOO"
