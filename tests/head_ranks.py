@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 B, D = 5, 16  # per-rank batch and embedding width
 CLASS_COUNTS = (10, 23, 101)
+SAMPLED = (("arcface", 101, 0.5), ("softmax", 101, 0.5), ("cosface", 23, 0.3))
 
 
 def margins():
@@ -31,6 +32,17 @@ def margins():
         "combined": CombinedMargin(64.0, 1.2, 0.3, 0.1),
         "softmax": Softmax(),
     }
+
+
+def oracle_cases():
+    """(margin name, margin, num_classes, sample_ratio) of every oracle case."""
+    ms = margins()
+    cases = [(name, m, c, 1.0) for c in CLASS_COUNTS for name, m in ms.items()]
+    return cases + [(name, ms[name], c, r) for name, c, r in SAMPLED]
+
+
+def case_name(margin_name, num_classes, ratio):
+    return f"{margin_name}-C{num_classes}" + (f"-rho{ratio}" if ratio < 1 else "")
 
 
 def gather_rows(t, pad_to=None):
@@ -106,16 +118,18 @@ def leaf(a):
     return t
 
 
-def check_against_oracles(name, margin, num_classes):
+def check_against_oracles(margin, num_classes, ratio=1.0):
+    """The head on this group vs the dense oracle (restricted to the sampled classes when
+    ratio < 1) on rank 0 and, at ratio 1, vs the PLSC-literal steps on every rank."""
     import paddle
     from oracles import compare, make_case, rel_err
-    from plsc.distributed import get_rank, get_world_size
+    from plsc.distributed import all_reduce_, get_rank, get_world_size
     from plsc.nn import PartialFC
 
     rank, k = get_rank(), get_world_size()
     x, y, w, b = make_case(seed=num_classes * 7 + k, n=k * B, d=D, num_classes=num_classes,
                            margin=margin)
-    head = PartialFC(D, num_classes, margin)
+    head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5)
     lo, hi = head.class_start, head.class_start + head.num_local
     head.weight.set_value(w[lo:hi])
     if b is not None:
@@ -127,34 +141,43 @@ def check_against_oracles(name, margin, num_classes):
     losses = gather_rows(paddle.to_tensor([float(loss)]))
     dx = gather_rows(x_local.grad)
     shard = head.partition.shard_size
-    dw = gather_rows(head.weight.grad, pad_to=shard)
-    db = gather_rows(head.bias.grad, pad_to=shard) if b is not None else None
+    sampled = ratio < 1.0
+    w_rows = head.sampled_weight if sampled else head.weight
+    b_rows = head.sampled_bias if sampled else head.bias
+    dw = gather_rows(w_rows.grad, pad_to=shard)
+    db = gather_rows(b_rows.grad, pad_to=shard) if b is not None else None
+    used = np.arange(num_classes)
+    if sampled:
+        used = gather_rows(head.sampled_index + lo, pad_to=shard)
 
-    # Oracle 2 on every rank, compared rank by rank.
-    f64 = lambda a: leaf(np.asarray(a, dtype="float64"))  # noqa: E731
-    x2, w2 = f64(x[rank * B:(rank + 1) * B]), f64(w[lo:hi])
-    b2 = f64(b[lo:hi]) if b is not None else None
-    literal = plsc_literal(x2, y_local, w2, b2, margin, num_classes)
-    literal.backward()
-    from plsc.distributed import all_reduce_
-    literal_loss = float(all_reduce_(literal.detach().clone(), "sum"))
-    lit = {
-        "loss": rel_err([literal_loss], [float(loss)]),
-        "dx": rel_err(x_local.grad.numpy(), x2.grad.numpy()),
-        "dw": rel_err(head.weight.grad.numpy(), w2.grad.numpy()),
-    }
-    if b is not None:
-        lit["db"] = rel_err(head.bias.grad.numpy(), b2.grad.numpy())
-    lit_worst = gather_rows(paddle.to_tensor([max(lit.values())], dtype="float64"))
+    lit_worst = None
+    if not sampled:  # Oracle 2 on every rank, compared rank by rank.
+        f64 = lambda a: leaf(np.asarray(a, dtype="float64"))  # noqa: E731
+        x2, w2 = f64(x[rank * B:(rank + 1) * B]), f64(w[lo:hi])
+        b2 = f64(b[lo:hi]) if b is not None else None
+        literal = plsc_literal(x2, y_local, w2, b2, margin, num_classes)
+        literal.backward()
+        literal_loss = float(all_reduce_(literal.detach().clone(), "sum"))
+        lit = {
+            "loss": rel_err([literal_loss], [float(loss)]),
+            "dx": rel_err(x_local.grad.numpy(), x2.grad.numpy()),
+            "dw": rel_err(head.weight.grad.numpy(), w2.grad.numpy()),
+        }
+        if b is not None:
+            lit["db"] = rel_err(head.bias.grad.numpy(), b2.grad.numpy())
+        lit_worst = gather_rows(paddle.to_tensor([max(lit.values())], dtype="float64"))
 
     if rank != 0:
         return None
     got = {"loss": float(loss), "dx": dx, "dw": dw}
     if b is not None:
         got["db"] = db
-    errs = compare(got, x, y, w, margin, b)
+    remapped = np.searchsorted(used, y)
+    assert np.array_equal(used[remapped], y), "a positive was not sampled"
+    errs = compare(got, x, remapped, w[used], margin, b[used] if b is not None else None)
     errs["loss_same_on_all_ranks"] = (float(np.ptp(losses)), 0.0)
-    errs["plsc_literal"] = (float(lit_worst.max()), 1e-5)
+    if lit_worst is not None:
+        errs["plsc_literal"] = (float(lit_worst.max()), 1e-5)
     return errs
 
 
@@ -230,9 +253,9 @@ def run(out_path):
     pd.init()
     results = {"world_size": pd.get_world_size(), "backend": pd.get_backend()}
     cases = [("collectives", check_collectives), ("bad_input", check_bad_input)]
-    for c in CLASS_COUNTS:
-        for name, margin in margins().items():
-            cases.append((f"{name}-C{c}", lambda m=margin, c=c: check_against_oracles(None, m, c)))
+    for name, margin, c, ratio in oracle_cases():
+        cases.append((case_name(name, c, ratio),
+                      lambda m=margin, c=c, r=ratio: check_against_oracles(m, c, r)))
     for name, fn in cases:
         try:
             results[name] = fn()

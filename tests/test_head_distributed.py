@@ -1,4 +1,5 @@
-"""The head on 2, 3 and 4 real gloo ranks against the dense and PLSC-literal oracles.
+"""The head on 2, 3 and 4 real gloo ranks against the dense and PLSC-literal oracles
+(with Partial FC sampling: the dense oracle restricted to the sampled classes).
 
 Each world size is one spawned group (tests/head_ranks.py) that runs every
 case; the tests below read its report.
@@ -39,8 +40,8 @@ def case(world_size, name, tmp_path_factory):
 
 
 def _oracle_cases():
-    from head_ranks import CLASS_COUNTS, margins
-    return [f"{m}-C{c}" for c in CLASS_COUNTS for m in margins()]
+    from head_ranks import case_name, oracle_cases
+    return [case_name(name, c, r) for name, _, c, r in oracle_cases()]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

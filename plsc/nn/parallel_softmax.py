@@ -14,7 +14,7 @@ from ..distributed import all_reduce_
 __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
-_ROW_CHUNK = 4096  # rows per step of the in-place weight-gradient correction
+_ROW_CHUNK = 1024  # rows per step of the in-place weight-gradient correction (cache-sized)
 
 
 def _row_norm(x):
@@ -54,7 +54,7 @@ class _ParallelSoftmaxCE(PyLayer):
             x_hat = features / x_norm.unsqueeze(1)
             inv_w = 1.0 / _row_norm(weight)
             logits = paddle.matmul(x_hat * margin.scale, weight, transpose_y=True)
-            logits.multiply_(inv_w.unsqueeze(0))
+            logits.multiply_(inv_w)  # a 1-D operand: Paddle's [1, C] broadcast is ~6x slower
             if owned:
                 cos_t = _take(logits, rows, cols) / margin.scale
                 target_logit = margin.target_logit(cos_t)
@@ -63,7 +63,7 @@ class _ParallelSoftmaxCE(PyLayer):
         else:
             logits = paddle.matmul(features, weight, transpose_y=True)
             if bias is not None:
-                logits.add_(bias.unsqueeze(0))
+                logits.add_(bias)
             if owned:
                 target_logit = _take(logits, rows, cols)
             ctx.features = features
@@ -107,7 +107,7 @@ class _ParallelSoftmaxCE(PyLayer):
         if margin.normalized:
             # dL/dcos = s·(g/S)·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
             x_hat, x_norm, inv_w = ctx.x_hat, ctx.x_norm, ctx.inv_w
-            buf.multiply_(inv_w.unsqueeze(0))
+            buf.multiply_(inv_w)
             scale = row_scale * margin.scale
             if need_x:
                 d_xhat = paddle.matmul(buf, weight) * scale

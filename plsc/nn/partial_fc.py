@@ -5,6 +5,7 @@ from paddle import nn
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
+from .sampling import sample_centres
 
 __all__ = ["PartialFC"]
 
@@ -21,7 +22,15 @@ class PartialFC(nn.Layer):
         embedding_size: d, the width of the embeddings.
         num_classes: C, the total number of classes across ranks.
         margin: a `plsc.loss.Margin` (default `ArcFace()`); `Softmax()` adds a bias.
-        sample_ratio: fraction of this rank's class centres used per step (1.0: all).
+        sample_ratio: Partial FC. Below 1, each step uses every class centre that
+            is a positive of the global batch plus uniformly drawn negatives, up to
+            `max(int(sample_ratio * num_local), #positives)` per rank. Gradients then
+            exist only for those rows, in `head.sampled_weight.grad` (and
+            `head.sampled_bias.grad`), and `plsc.optim.SparseMomentum` /
+            `SparseAdamW` apply them to `head.weight` (a plain Paddle optimizer
+            would see no gradient on `head.weight`).
+        seed: seed of the sampling draw, which depends on (seed, step, rank);
+            the step counter `head.sample_step` is a buffer saved with the state.
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: validate labels and batch sizes across ranks every step
@@ -29,8 +38,8 @@ class PartialFC(nn.Layer):
             instead of hanging or corrupting a collective.
     """
 
-    def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, group=None,
-                 init_std=0.01, check_inputs=True):
+    def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
+                 group=None, init_std=0.01, check_inputs=True):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -39,12 +48,11 @@ class PartialFC(nn.Layer):
             raise ValueError(f"embedding_size must be >= 1, got {embedding_size}")
         if not 0.0 < float(sample_ratio) <= 1.0:
             raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
-        if float(sample_ratio) < 1.0:
-            raise NotImplementedError("sample_ratio < 1 (class-centre sampling) is not implemented yet")
         self.embedding_size = int(embedding_size)
         self.num_classes = int(num_classes)
         self.margin = margin
         self.sample_ratio = float(sample_ratio)
+        self.seed = int(seed)
         self.group = group
         self.check_inputs = bool(check_inputs)
         self.rank, self.world_size = group_rank_size(group)
@@ -58,7 +66,11 @@ class PartialFC(nn.Layer):
         if not margin.normalized:
             self.bias = self.create_parameter([self.num_local], dtype="float32", is_bias=True,
                                               default_initializer=nn.initializer.Constant(0.0))
+        self.register_buffer("sample_step", paddle.zeros([], dtype="int64"))
         self.sample_loss = None
+        # The centres of the last step: indices into this rank's classes (None: all).
+        self.sampled_index = self.sampled_weight = self.sampled_bias = None
+        self._last_target = None
 
     def forward(self, embeddings, labels):
         labels = self._check_local(embeddings, labels)
@@ -75,8 +87,44 @@ class PartialFC(nn.Layer):
         return losses.mean()
 
     def _select_centres(self, local_target):
-        """The class centres that take part in this step (all of them at ratio 1)."""
-        return self.weight, self.bias, local_target
+        """The class centres that take part in this step, and labels indexing them."""
+        if self.sample_ratio >= 1.0:
+            self._last_target = local_target
+            return self.weight, self.bias, local_target
+        step = int(self.sample_step)
+        index, target = sample_centres(local_target.numpy(), self.num_local, self.sample_ratio,
+                                       self.seed, step, self.rank)
+        if self.training:
+            self.sample_step.set_value(paddle.to_tensor(step + 1, dtype="int64"))
+        index = paddle.to_tensor(index)
+        # Gathered from a detached weight, so the gradient is [num_sample, d], never [num_local, d].
+        self.sampled_index = index
+        self.sampled_weight = _gather_rows(self.weight, index)
+        self.sampled_bias = _gather_rows(self.bias, index) if self.bias is not None else None
+        self._last_target = paddle.to_tensor(target)
+        return self.sampled_weight, self.sampled_bias, self._last_target
+
+    def release_sampled_rows(self):
+        """Drop the last step's gathered rows and their gradients (the optimizer applied them)."""
+        self.sampled_weight = self.sampled_bias = None
+
+    @property
+    def num_sample(self):
+        """Class centres this rank used in the last step."""
+        return self.num_local if self.sampled_index is None else int(self.sampled_index.shape[0])
+
+    @property
+    def num_positive(self):
+        """Distinct positives of the last global batch among this rank's classes."""
+        if self._last_target is None:
+            return 0
+        owned = paddle.masked_select(self._last_target, self._last_target >= 0)
+        return int(paddle.unique(owned).shape[0]) if owned.shape[0] else 0
+
+    @property
+    def positive_fraction(self):
+        """Share of the last step's centres on this rank that were positives."""
+        return self.num_positive / self.num_sample
 
     def _check_local(self, embeddings, labels):
         if embeddings.ndim != 2 or embeddings.shape[1] != self.embedding_size:
@@ -109,3 +157,9 @@ class PartialFC(nn.Layer):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"margin={self.margin}, sample_ratio={self.sample_ratio}")
+
+
+def _gather_rows(param, index):
+    rows = paddle.gather(param.detach(), index)
+    rows.stop_gradient = param.stop_gradient
+    return rows

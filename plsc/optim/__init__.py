@@ -1,0 +1,4 @@
+"""Optimizers and schedules; sparse row updates for the class-sharded head."""
+from .sparse_rows import SparseAdamW, SparseMomentum, SparseRowOptimizer
+
+__all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
