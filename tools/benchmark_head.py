@@ -1,14 +1,18 @@
-"""Benchmark one forward+backward of the PartialFC head; one JSON line per rank.
+"""Benchmark a step of the PartialFC head; one JSON line per rank and sample ratio.
 
     python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
         --num-classes 200000 --embedding-size 512 --batch-size 128
+    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+        --num-classes 1000000 --sample-ratio 1.0 0.3 0.1 --update
 
-Measured in the same run: the head's step time, the time of its three GEMMs
-alone on the same shapes (logits, embedding gradient, weight gradient), and
-the peak memory the step allocates, in units of one `[N, num_local]` float32
-buffer (N = global batch). `peak_extra_buffers` leaves out the gradients the
-step returns (they outlive it and any head needs them); `peak_total_buffers`
-counts everything allocated during the step.
+A step is forward + backward (+ the head's SparseMomentum update with
+`--update`). Measured in the same run: the step time, the time of the head's
+three GEMMs alone on the same shapes (logits, embedding gradient, weight
+gradient; with sampling, on the sampled rows), and the peak memory the step
+allocates over what existed before it (weights, optimizer state), in units of
+one `[N, num_local]` float32 buffer (N = global batch). `peak_extra_buffers`
+leaves out the gradients the step returns (they outlive it and any head needs
+them); `peak_total_buffers` counts everything allocated during the step.
 """
 import argparse
 import json
@@ -26,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plsc.distributed as pd  # noqa: E402
 from plsc.loss import MARGINS  # noqa: E402
 from plsc.nn import PartialFC  # noqa: E402
+from plsc.optim import SparseMomentum  # noqa: E402
 
 
 class MemoryMeter:
@@ -72,61 +77,83 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=128,
                    help="per-rank batch; the global batch N is this times the world size (default 128)")
     p.add_argument("--margin", default="arcface", choices=sorted(MARGINS), help="default arcface")
+    p.add_argument("--sample-ratio", type=float, nargs="+", default=[1.0],
+                   help="Partial FC ratio(s), each measured in turn (default 1.0)")
+    p.add_argument("--update", action="store_true",
+                   help="include the head's optimizer update (SparseMomentum) in the step")
     p.add_argument("--steps", type=int, default=3, help="timed repetitions, median reported (default 3)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    pd.init()
-    rank, world = pd.get_rank(), pd.get_world_size()
-    paddle.seed(args.seed + rank)
+def bench_ratio(args, ratio, rank, world):
     d, b = args.embedding_size, args.batch_size
     n = b * world
-    head = PartialFC(d, args.num_classes, MARGINS[args.margin]())
+    head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
+                     seed=args.seed)
+    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) if args.update else None
     rng = np.random.RandomState(args.seed + rank)
     x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
     x.stop_gradient = False
     y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
 
     def step():
-        x.clear_gradient(set_to_zero=False)
-        head.clear_gradients(set_to_zero=False)
         head(x, y).backward()
+        if opt is not None:
+            opt.step(head)
 
-    step()  # warm-up
+    def clear():  # free (not zero) the gradients, so each step allocates its own
+        x.grad = None
+        for param in head.parameters():
+            param.grad = None
+        head.release_sampled_rows()
+
+    step()  # warm-up; creates the optimizer state
+    clear()
     meter = MemoryMeter()
-    x.clear_gradient(set_to_zero=False)
-    head.clear_gradients(set_to_zero=False)
     base = meter.current()
     meter.reset_peak()
-    head(x, y).backward()
+    step()
     sync()
     peak = meter.peak() - base
     retained = meter.current() - base
-    step_time = timed(step, args.steps)
+    clear()
+    step_time = timed(lambda: (clear(), step()), args.steps)
 
     # The three GEMMs alone, same shapes: logits, embedding grad, weight grad.
     feats = paddle.randn([n, d])
-    w = head.weight.detach()
+    w = paddle.randn([head.num_sample, d])
     logits = paddle.matmul(feats, w, transpose_y=True)
     gemms = [lambda: paddle.matmul(feats, w, transpose_y=True),
              lambda: paddle.matmul(logits, w),
              lambda: paddle.matmul(logits, feats, transpose_x=True)]
     gemm_time = sum(timed(g, args.steps) for g in gemms)
+    del feats, w, logits
 
     buffer_bytes = n * head.num_local * 4
-    print(json.dumps({
+    return {
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
         "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
-        "embedding_size": d, "global_batch": n,
+        "embedding_size": d, "global_batch": n, "sample_ratio": ratio,
+        "num_sample": head.num_sample, "update": bool(args.update),
         "step_time_s": round(step_time, 4), "gemm_time_s": round(gemm_time, 4),
         "time_ratio": round(step_time / gemm_time, 3),
         "buffer_bytes": buffer_bytes, "peak_bytes": int(peak), "grad_bytes": int(retained),
         "peak_extra_buffers": round((peak - retained) / buffer_bytes, 3),
         "peak_total_buffers": round(peak / buffer_bytes, 3),
-    }), flush=True)
+    }
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    for r in args.sample_ratio:
+        if not 0.0 < r <= 1.0:
+            raise SystemExit(f"--sample-ratio values must be in (0, 1], got {r}")
+    pd.init()
+    rank, world = pd.get_rank(), pd.get_world_size()
+    paddle.seed(args.seed + rank)
+    for ratio in args.sample_ratio:
+        print(json.dumps(bench_ratio(args, ratio, rank, world)), flush=True)
 
 
 if __name__ == "__main__":
