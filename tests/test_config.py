@@ -1,0 +1,60 @@
+"""Config loading, overrides and the errors a user sees."""
+import glob
+import os
+
+import pytest
+import yaml
+
+from plsc.config import ConfigError, load_config, validate
+
+MINIMAL = {"Loss": {"num_classes": 10}, "Data": {"root": "/data"}}
+
+
+def write(tmp_path, raw):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_defaults_and_typed_overrides(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    cfg = load_config(path, ["Optimizer.lr=0.05", "Eval.targets=[lfw, cfp_fp]",
+                             "Global.max_steps=100", "AMP.enable=true", "Global.checkpoint=null"])
+    assert cfg["Optimizer"]["lr"] == 0.05 and cfg["Optimizer"]["momentum"] == 0.9
+    assert cfg["Eval"]["targets"] == ["lfw", "cfp_fp"]
+    assert cfg["Global"]["max_steps"] == 100 and cfg["AMP"]["enable"] is True
+    assert cfg["Global"]["checkpoint"] is None
+
+
+@pytest.mark.parametrize("raw,pattern", [
+    ({"Loss": {"num_clases": 3}}, r"unknown key 'Loss.num_clases'; did you mean 'num_classes'\?"),
+    ({"Optimzer": {}}, r"unknown section 'Optimzer'; did you mean 'Optimizer'\?"),
+    ({"Data": {"batch_size": "64"}}, r"Data.batch_size must be int, got '64' \(str\)"),
+    ({"Optimizer": {"lr": True}}, r"Optimizer.lr must be number, got True"),
+    ({"AMP": {"enable": 1}}, r"AMP.enable must be true or false, got 1"),
+    ({"Loss": {"margin": "arc"}}, r"Loss.margin must be one of arcface, cosface"),
+    ({"Loss": {"sample_ratio": 1.5}}, r"Loss.sample_ratio must be in \(0, 1\], got 1.5"),
+    ({"Model": {"name": None}}, r"Model.name must not be null"),
+])
+def test_bad_values_name_the_key(tmp_path, raw, pattern):
+    merged = {**MINIMAL, **{k: {**MINIMAL.get(k, {}), **v} for k, v in raw.items()}}
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(tmp_path, merged))
+
+
+def test_missing_required_and_bad_overrides(tmp_path):
+    with pytest.raises(ConfigError, match=r"Loss.num_classes is required"):
+        validate({"Data": {"root": "x"}})
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=r"must look like Section.key=value"):
+        load_config(path, ["Optimizer.lr"])
+    with pytest.raises(ConfigError, match=r"unknown key 'Optimizer.learning_rate'; did you mean 'lr'"):
+        load_config(path, ["Optimizer.learning_rate=0.1"])
+    with pytest.raises(ConfigError, match=r"config file .*nope.yaml does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_shipped_configs_are_valid():
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    for path in glob.glob(os.path.join(root, "*.yaml")):
+        load_config(path)
