@@ -25,26 +25,69 @@ class SparseRowOptimizer:
     def __init__(self, learning_rate):
         self.learning_rate = learning_rate
         self._state = {}
+        self._stash = {}
 
     def get_lr(self):
         lr = self.learning_rate
         return float(lr() if callable(lr) else lr)
 
-    def step(self, head):
-        """Apply the gradients of the head's last backward, then release them."""
+    def stash(self, head):
+        """Keep the sampled rows' gradients of a micro-batch for the next `step`
+        (gradient accumulation with Partial FC: each micro-batch samples anew)."""
+        for name, _, index, rows in _head_rows(head):
+            if index is not None and rows is not None and rows.grad is not None:
+                self._stash.setdefault(name, []).append((index, rows.grad))
+        head.release_sampled_rows()
+
+    def step(self, head, grad_scale=1.0):
+        """Apply the gradients of the head's last backward (times `grad_scale`, e.g. the
+        inverse loss scale), plus any stashed ones, then release them."""
         lr = self.get_lr()
-        for name, param, index, rows in _head_rows(head):
-            if rows is None or rows.grad is None:
-                continue
+        for name, param, index, grad in self._gradients(head):
             state = self._state_for(name, param)
             with paddle.no_grad():
-                for start in range(0, rows.shape[0], _CHUNK):
-                    stop = min(start + _CHUNK, rows.shape[0])
+                if grad_scale != 1.0:
+                    grad = grad * grad_scale
+                for start in range(0, grad.shape[0], _CHUNK):
+                    stop = min(start + _CHUNK, grad.shape[0])
                     idx = index[start:stop] if index is not None else None
-                    self._update(param, state, idx, start, stop, rows.grad[start:stop], lr)
+                    self._update(param, state, idx, start, stop, grad[start:stop], lr)
             if index is None:
                 param.grad = None  # frees it; clear_gradient(set_to_zero=False) does not (Paddle 3.3)
+        self._stash = {}
         head.release_sampled_rows()
+
+    def discard(self, head):
+        """Drop the pending gradients without applying them (a skipped step)."""
+        self._stash = {}
+        for _, param, index, _ in _head_rows(head):
+            if index is None:
+                param.grad = None
+        head.release_sampled_rows()
+
+    def _gradients(self, head):
+        """(name, parameter, unique sorted row index or None, gradient rows) to apply."""
+        for name, param, index, rows in _head_rows(head):
+            parts = list(self._stash.get(name, ()))
+            if rows is not None and rows.grad is not None:
+                if index is None:
+                    yield name, param, None, rows.grad
+                    continue
+                parts.append((index, rows.grad))
+            if not parts:
+                continue
+            if len(parts) == 1:
+                yield name, param, parts[0][0], parts[0][1]
+                continue
+            index = paddle.concat([p[0] for p in parts])
+            unique, inverse = paddle.unique(index, return_inverse=True)
+            grads = paddle.concat([p[1] for p in parts])
+            summed = paddle.zeros([unique.shape[0]] + list(grads.shape[1:]), dtype=grads.dtype)
+            yield name, param, unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
+
+    def all_gradients_finite(self, head):
+        """Whether every gradient the next `step` would apply is finite (this rank)."""
+        return all(bool(paddle.isfinite(g).all()) for _, _, _, g in self._gradients(head))
 
     def _state_for(self, name, param):
         if name not in self._state:

@@ -1,0 +1,46 @@
+"""Dynamic loss scaling for float16 training, agreed across ranks."""
+import paddle
+
+__all__ = ["LossScaler"]
+
+
+class LossScaler:
+    """Multiply the loss by `scale`; after a step whose gradients are not all
+    finite (on any rank) skip the update and halve the scale; after
+    `growth_interval` good steps in a row double it. Disabled: scale 1, no checks."""
+
+    def __init__(self, enabled, init_scale=65536.0, growth_interval=2000, min_scale=1.0):
+        self.enabled = bool(enabled)
+        self.scale = float(init_scale) if self.enabled else 1.0
+        self.growth_interval = int(growth_interval)
+        self.min_scale = float(min_scale)
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, finite):
+        """Record the outcome of a step; returns whether to apply it."""
+        if not self.enabled:
+            return True
+        if not finite:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            self.skipped += 1
+            return False
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0
+        return True
+
+    def state_dict(self):
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def set_state_dict(self, state):
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped"])
+
+
+def grads_finite(tensors):
+    """Whether every tensor is free of inf and NaN (this rank)."""
+    return all(bool(paddle.isfinite(t).all()) for t in tensors)

@@ -1,0 +1,93 @@
+"""Training log on rank 0: console lines, a progress bar, a log file and VisualDL scalars."""
+import datetime
+import logging
+import os
+import sys
+import time
+
+__all__ = ["TrainLogger"]
+
+
+class TrainLogger:
+    """Averages the loss over `interval` steps and reports global throughput and ETA.
+
+    Only the rank that is `enabled` writes anything. VisualDL scalars go to
+    `<output_dir>/vdl` (tags `train/loss`, `train/lr`, `train/throughput`,
+    `eval/<target>/accuracy`, ...).
+    """
+
+    def __init__(self, output_dir, total_steps, interval, enabled=True, visualdl=True,
+                 progress_bar=True):
+        self.enabled, self.total, self.interval = enabled, int(total_steps), int(interval)
+        self.bar = enabled and progress_bar and sys.stdout.isatty()
+        self._losses, self._samples = [], 0
+        self._t0 = self._start = time.perf_counter()
+        self._start_step = None
+        self.writer = None
+        self.log = logging.getLogger("plsc.train")
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if not self.log.handlers:
+            self.log.setLevel(logging.INFO)
+            fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
+            for handler in (logging.StreamHandler(sys.stdout),
+                            logging.FileHandler(os.path.join(output_dir, "train.log"))):
+                handler.setFormatter(fmt)
+                self.log.addHandler(handler)
+            self.log.propagate = False
+        if visualdl:
+            from visualdl import LogWriter  # imported lazily: it is slow to import
+            self.writer = LogWriter(logdir=os.path.join(output_dir, "vdl"))
+
+    def info(self, msg):
+        if self.enabled:
+            if self.bar:
+                sys.stdout.write("\r\033[K")
+            self.log.info(msg)
+
+    def scalar(self, tag, value, step):
+        if self.writer is not None:
+            self.writer.add_scalar(tag=tag, value=float(value), step=int(step))
+
+    def step(self, step, loss, lr, samples, epoch):
+        """Record optimizer step `step` (1-based) that consumed `samples` (global)."""
+        if not self.enabled:
+            return
+        if self._start_step is None:
+            self._start_step = step - 1
+        self._losses.append(float(loss))
+        self._samples += samples
+        if self.bar:
+            done = int(30 * step / self.total)
+            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{self.total} "
+                             f"loss {float(loss):.4f}")
+            sys.stdout.flush()
+        if step % self.interval and step != self.total:
+            return
+        now = time.perf_counter()
+        throughput = self._samples / max(now - self._t0, 1e-9)
+        per_step = (now - self._start) / max(step - self._start_step, 1)
+        eta = datetime.timedelta(seconds=int(per_step * (self.total - step)))
+        mean_loss = sum(self._losses) / len(self._losses)
+        self.info(f"step {step}/{self.total} epoch {epoch} loss {mean_loss:.4f} lr {lr:.6f} "
+                  f"{throughput:.1f} samples/s eta {eta}")
+        self.scalar("train/loss", mean_loss, step)
+        self.scalar("train/lr", lr, step)
+        self.scalar("train/throughput", throughput, step)
+        self._losses, self._samples, self._t0 = [], 0, now
+
+    def evaluation(self, step, target, report):
+        if not self.enabled:
+            return
+        far = ", ".join(f"TAR@FAR={k:g}: {v:.4f}" for k, v in report["tar_at_far"].items())
+        self.info(f"[{target}] step {step} accuracy {report['accuracy']:.4f} "
+                  f"± {report['accuracy_std']:.4f} threshold {report['threshold']:.3f} "
+                  f"norm {report['embedding_norm']:.2f} {far}")
+        self.scalar(f"eval/{target}/accuracy", report["accuracy"], step)
+        self.scalar(f"eval/{target}/embedding_norm", report["embedding_norm"], step)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,280 @@
+"""The training loop: data-parallel backbone, model-parallel head."""
+import json
+import os
+
+import numpy as np
+import paddle
+
+from .. import distributed as pd
+from ..config import ConfigError, dump_config
+from ..data import DistributedBatchSampler
+from ..models import build_model
+from ..nn import PartialFC
+from ..optim.schedule import StepLR, make_lr_fn
+from .amp import LossScaler, grads_finite
+from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
+                       build_train_dataset, select_device)
+from .checkpoint import (CheckpointManager, find_checkpoint, load_head_rows, local_optimizer_state,
+                         portable_optimizer_state, restore_rng)
+from .evaluator import VerificationEvaluator
+from .logger import TrainLogger
+
+__all__ = ["Trainer"]
+
+_BUCKET = 1 << 24  # elements per all-reduce of backbone gradients
+
+
+class _FromBatch:
+    """A batch sampler that starts its epoch at batch `start` (resume mid-epoch)."""
+
+    def __init__(self, sampler, start=0):
+        self.sampler, self.start = sampler, start
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+    def __iter__(self):
+        for i, batch in enumerate(self.sampler):
+            if i >= self.start:
+                yield batch
+
+
+def sum_gradients(params, group=None):
+    """All-reduce (SUM) the gradients of `params` in a few flat buckets."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if pd.group_rank_size(group)[1] == 1 or not grads:
+        return
+    bucket, size = [], 0
+    for g in grads + [None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.size
+        if bucket and (g is None or size >= _BUCKET):
+            with paddle.no_grad():
+                flat = paddle.concat([b.reshape([-1]) for b in bucket])
+                pd.all_reduce_(flat, "sum", group)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.size].reshape(b.shape), False)
+                    offset += b.size
+            bucket, size = [], 0
+
+
+class Trainer:
+    """Builds everything a config describes and trains it.
+
+    `backbone` may be given as a `paddle.nn.Layer` instead of `Model.name`.
+    """
+
+    def __init__(self, cfg, backbone=None):
+        self.cfg = cfg
+        g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
+        self.device = select_device(g["device"])
+        pd.init()
+        self.rank, self.world = pd.get_rank(), pd.get_world_size()
+        self.output_dir = g["output_dir"]
+        amp = cfg["AMP"]
+        if amp["enable"] and not self.device.startswith("gpu"):
+            raise ConfigError("AMP.enable is true but training runs on the CPU; AMP needs a GPU")
+        paddle.seed(g["seed"])
+        np.random.seed(g["seed"])
+        self.accumulate = o["accumulate_steps"]
+        self.dataset = build_train_dataset(cfg)
+        self.sampler = DistributedBatchSampler(self.dataset, d["batch_size"], self.rank, self.world,
+                                               shuffle=True, seed=g["seed"], drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // self.accumulate
+        if self.steps_per_epoch < 1:
+            raise ConfigError(f"Data.batch_size {d['batch_size']} x {self.world} ranks x "
+                              f"{self.accumulate} accumulation steps exceeds the {len(self.dataset)} "
+                              "training images")
+        self.total_steps = g["max_steps"] or g["epochs"] * self.steps_per_epoch
+        self.global_batch = d["batch_size"] * self.world * self.accumulate
+
+        m = cfg["Model"]
+        self.backbone = backbone if backbone is not None else build_model(
+            m["name"], embedding_size=m["embedding_size"], input_size=tuple(d["image_size"]),
+            dropout=m["dropout"])
+        if g["pretrained"]:
+            self.backbone.set_state_dict(paddle.load(g["pretrained"]))
+        loss = cfg["Loss"]
+        paddle.seed(g["seed"] + 1 + self.rank)  # class centres differ from rank to rank
+        self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
+                              sample_ratio=loss["sample_ratio"], seed=g["seed"])
+        paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
+
+        self.lr = StepLR(self._lr_fn())
+        self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
+        self.head_opt = build_head_optimizer(cfg, self.lr)
+        self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
+        self.ckpt = CheckpointManager(self.output_dir, cfg["Checkpoint"]["keep_last"])
+        e = cfg["Eval"]
+        self.evaluator = (VerificationEvaluator(e["root"], e["targets"], d["image_size"],
+                                                e["batch_size"]) if e["targets"] else None)
+        lg = cfg["Logging"]
+        self.log = TrainLogger(self.output_dir, self.total_steps, g["log_interval"],
+                               enabled=self.rank == 0, visualdl=lg["visualdl"],
+                               progress_bar=lg["progress_bar"])
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.history = []  # (step, loss) of every optimizer step of this process
+        self.eval_history = []
+        if g["checkpoint"]:
+            self.resume(find_checkpoint(g["checkpoint"], self.output_dir))
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(dump_config(cfg))
+
+    def _lr_fn(self):
+        o, s = self.cfg["Optimizer"], self.cfg["LRScheduler"]
+        base = o["lr"] * (self.global_batch / o["base_batch_size"] if o["base_batch_size"] else 1.0)
+        warmup = s["warmup_steps"]
+        if warmup is None:
+            warmup = int(round(s["warmup_epochs"] * self.steps_per_epoch))
+        return make_lr_fn(s["name"], base, self.total_steps, min(warmup, self.total_steps),
+                          power=s["power"], end_lr=s["end_lr"],
+                          boundaries=[b * self.steps_per_epoch for b in s["boundaries"]],
+                          gamma=s["gamma"])
+
+    # ----------------------------------------------------------------- steps
+    def forward_backward(self, images, labels, loss_factor=1.0):
+        """One micro-batch: forward, scaled backward; returns the (unscaled) loss."""
+        amp = self.cfg["AMP"]
+        with paddle.amp.auto_cast(enable=amp["enable"], dtype=amp["dtype"], level="O1"):
+            emb = self.backbone(images)
+        loss = self.head(emb, labels)
+        (loss * (self.scaler.scale * loss_factor)).backward()
+        return float(loss)
+
+    def optimizer_step(self):
+        """Sum backbone gradients across ranks, check, unscale, clip, update both parts."""
+        params = [p for p in self.backbone.parameters() if not p.stop_gradient]
+        sum_gradients(params)
+        applied = True
+        if self.scaler.enabled:
+            finite = grads_finite([p.grad for p in params if p.grad is not None]) and \
+                self.head_opt.all_gradients_finite(self.head)
+            flag = pd.all_reduce_(paddle.to_tensor([0.0 if finite else 1.0]), "max")
+            applied = self.scaler.update(flag.item() == 0.0)
+        inv_scale = 1.0 / self.scaler.scale if self.scaler.enabled else 1.0
+        if applied:
+            if inv_scale != 1.0:
+                with paddle.no_grad():
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.scale_(inv_scale)
+            self.backbone_opt.step()
+            self.head_opt.step(self.head, grad_scale=inv_scale)
+        else:
+            self.head_opt.discard(self.head)
+        self.backbone_opt.clear_grad(set_to_zero=False)
+        self.lr.step()
+        self.step += 1
+        return applied
+
+    def train_step(self, micro_batches):
+        """One optimizer step over `micro_batches` [(images, labels), ...]; returns the mean loss."""
+        losses = []
+        for i, (images, labels) in enumerate(micro_batches):
+            losses.append(self.forward_backward(images, labels, 1.0 / len(micro_batches)))
+            if i + 1 < len(micro_batches):
+                self.head_opt.stash(self.head)
+        self.optimizer_step()
+        return sum(losses) / len(losses)
+
+    # ------------------------------------------------------------------ loop
+    def _loader(self):
+        self.sampler.set_epoch(self.epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        return paddle.io.DataLoader(self.dataset, batch_sampler=_FromBatch(self.sampler, self.batch_in_epoch),
+                                    num_workers=self.cfg["Data"]["num_workers"], use_shared_memory=False)
+
+    def train(self):
+        """Train to `total_steps`, evaluating and checkpointing on the way; returns the history."""
+        cfg = self.cfg
+        self.log.info(f"plsc: {self.world} rank(s) on {self.device}, {len(self.dataset)} images, "
+                      f"{cfg['Loss']['num_classes']} classes ({self.head.num_local} on rank 0), global "
+                      f"batch {self.global_batch}, {self.total_steps} steps")
+        self.backbone.train()
+        self.head.train()
+        while self.step < self.total_steps:
+            micro = []
+            for images, labels in self._loader():
+                self.batch_in_epoch += 1
+                micro.append((images, labels))
+                if len(micro) < self.accumulate:
+                    continue
+                loss = self.train_step(micro)
+                micro = []
+                self.history.append((self.step, loss))
+                self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
+                self._after_step()
+                if self.step >= self.total_steps:
+                    break
+            else:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+        self.log.close()
+        return self.history
+
+    def _after_step(self):
+        last = self.step >= self.total_steps
+        if self.evaluator is not None and (self.step % self.cfg["Eval"]["interval"] == 0 or last):
+            self.evaluate()
+        if self.step % self.cfg["Checkpoint"]["interval"] == 0 or last:
+            self.save()
+
+    def evaluate(self):
+        reports = self.evaluator(self.backbone)
+        for target, report in reports.items():
+            self.log.evaluation(self.step, target, report)
+        self.eval_history.append((self.step, reports))
+        return reports
+
+    # ----------------------------------------------------------- checkpoints
+    def _head_arrays(self):
+        arrays = {"weight": self.head.weight.numpy()}
+        if self.head.bias is not None:
+            arrays["bias"] = self.head.bias.numpy()
+        for key, value in self.head_opt.state_dict().items():
+            arrays[f"opt.{key}"] = value.numpy()
+        return arrays
+
+    def save(self):
+        head = self.head
+        meta = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "num_classes": head.num_classes, "embedding_size": head.embedding_size,
+                "shard_size": head.partition.shard_size, "sample_step": int(head.sample_step),
+                "head_arrays": sorted(self._head_arrays()), "model": self.cfg["Model"]["name"],
+                "config": json.loads(json.dumps(self.cfg))}
+        trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
+                                                                  self.backbone),
+                         "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
+        return self.ckpt.save(self.step, meta, self.backbone.state_dict(), trainer_state,
+                              self._head_arrays())
+
+    def resume(self, path):
+        meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
+        head = self.head
+        for key in ("num_classes", "embedding_size"):
+            if meta[key] != getattr(head, key):
+                raise ConfigError(f"checkpoint {path} has {key}={meta[key]}, the config "
+                                  f"{getattr(head, key)}")
+        self.backbone.set_state_dict(backbone_state)
+        self.backbone_opt.set_state_dict(local_optimizer_state(trainer_state["backbone_opt"],
+                                                               self.backbone))
+        self.lr.set_state_dict(trainer_state["lr"])
+        self.scaler.set_state_dict(trainer_state["scaler"])
+        rows = {name: load_head_rows(path, name, head.class_start, head.num_local)
+                for name in meta["head_arrays"]}
+        head.weight.set_value(rows.pop("weight"))
+        if head.bias is not None:
+            head.bias.set_value(rows.pop("bias"))
+        head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
+        self.head_opt.set_state_dict({k[len("opt."):]: v for k, v in rows.items()})
+        self.step, self.epoch = meta["step"], meta["epoch"]
+        self.batch_in_epoch = meta["batch_in_epoch"]
+        if rng is not None:
+            restore_rng(rng)
+        self.log.info(f"resumed from {path} at step {self.step} (written by {meta['world_size']} "
+                      f"rank(s), now {self.world})")

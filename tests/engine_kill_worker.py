@@ -1,0 +1,27 @@
+"""Trains with checkpoints every 3 steps and SIGKILLs itself in the middle of the second save.
+
+    python tests/engine_kill_worker.py DATA_ROOT OUTPUT_DIR
+"""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_common import config  # noqa: E402
+
+import plsc.engine.checkpoint as checkpoint  # noqa: E402
+from plsc.engine import Trainer  # noqa: E402
+
+saves = {"n": 0}
+real_save_npy = checkpoint._save_npy
+
+
+def save_npy_then_die(path, array):
+    real_save_npy(path, array)
+    if "step_00000006" in path:  # the second checkpoint: die with its files half written
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+checkpoint._save_npy = save_npy_then_die
+Trainer(config(sys.argv[1], sys.argv[2])).train()

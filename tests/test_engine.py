@@ -1,0 +1,99 @@
+"""The training engine in one process: resume, checkpoint safety, skipped steps, config errors."""
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from engine_common import config, make_data
+from plsc.config import ConfigError
+from plsc.engine import Trainer, find_checkpoint, read_meta
+from plsc.engine.amp import LossScaler
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("synthetic")))
+
+
+@pytest.mark.parametrize("ratio,opt", [(0.5, "sgd"), (1.0, "adamw")])
+def test_resume_equals_uninterrupted(tmp_path, data_root, ratio, opt):
+    sections = dict(Loss={"sample_ratio": ratio}, Optimizer={"name": opt}, Data={"random_flip": False})
+    full = Trainer(config(data_root, str(tmp_path / "a"), **sections))
+    history = full.train()
+    assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]
+    ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
+    resumed = Trainer(config(data_root, str(tmp_path / "b"), Global={"checkpoint": ckpt}, **sections))
+    assert resumed.step == 3
+    rest = resumed.train()
+    assert [s for s, _ in rest] == [4, 5, 6]
+    np.testing.assert_array_equal([v for _, v in rest], [v for _, v in history[3:]])
+    for a, b in zip(full.backbone.parameters(), resumed.backbone.parameters()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(full.head.weight.numpy(), resumed.head.weight.numpy())
+
+
+def test_checkpoints_keep_last_and_latest(tmp_path, data_root):
+    out = str(tmp_path / "run")
+    Trainer(config(data_root, out, Global={"max_steps": 7}, Checkpoint={"interval": 2, "keep_last": 2})).train()
+    kept = sorted(d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_"))
+    assert kept == ["step_00000006", "step_00000007"]
+    assert find_checkpoint("latest", out).endswith("step_00000007")
+    meta = read_meta(find_checkpoint("latest", out))
+    assert meta["step"] == 7 and meta["world_size"] == 1 and meta["num_classes"] == 24
+
+
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path, data_root):
+    out = str(tmp_path / "killed")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_kill_worker.py"), data_root, out],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    root = os.path.join(out, "checkpoints")
+    assert os.path.isdir(os.path.join(root, "step_00000006.tmp"))  # the save that was cut short
+    latest = find_checkpoint("latest", out)
+    assert latest.endswith("step_00000003")
+    resumed = Trainer(config(data_root, out, Global={"checkpoint": "latest"}))
+    assert resumed.step == 3
+    assert [s for s, _ in resumed.train()] == [4, 5, 6]
+    assert find_checkpoint("latest", out).endswith("step_00000006")
+
+
+def test_non_finite_step_is_skipped_and_counted(tmp_path, data_root):
+    """A loss scale so large that the gradients overflow: no update, scale halved, counted."""
+    trainer = Trainer(config(data_root, str(tmp_path / "amp")))
+    trainer.scaler = LossScaler(True, init_scale=3e38)
+    trainable = [p for p in trainer.backbone.parameters() if not p.stop_gradient]
+    before = [p.numpy().copy() for p in trainable]
+    head_before = trainer.head.weight.numpy().copy()
+    images = paddle.to_tensor(np.random.RandomState(0).normal(size=(4, 3, 16, 16)).astype("float32"))
+    trainer.train_step([(images, paddle.to_tensor([0, 1, 2, 3]))])
+    assert trainer.scaler.skipped == 1 and trainer.scaler.scale == 1.5e38 and trainer.step == 1
+    for p, b in zip(trainable, before):
+        np.testing.assert_array_equal(p.numpy(), b)
+    np.testing.assert_array_equal(trainer.head.weight.numpy(), head_before)
+    # A sane scale then trains normally.
+    trainer.scaler = LossScaler(True, init_scale=1024.0)
+    trainer.train_step([(images, paddle.to_tensor([0, 1, 2, 3]))])
+    assert trainer.scaler.skipped == 0
+    assert not np.array_equal(trainer.head.weight.numpy(), head_before)
+
+
+def test_missing_dataset_points_to_the_tools(tmp_path):
+    cfg = config(str(tmp_path / "nowhere"), str(tmp_path / "o"), Data={"dataset": "recordio"})
+    with pytest.raises(ConfigError, match=r"Data.root .*nowhere does not exist; .*tools/pack_rec.py.*"
+                                          r"configs/demo.yaml"):
+        Trainer(cfg)
+
+
+def test_train_cli_reports_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("Loss: {num_classes: 10}\nData: {root: /x, batch_sise: 3}\n")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "tools", "train.py"),
+                           "-c", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown key 'Data.batch_sise'; did you mean 'batch_size'?" in proc.stderr
