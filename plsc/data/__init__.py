@@ -1,1 +1,22 @@
-"""Datasets and file formats for face-recognition training."""
+"""Datasets and file formats for face-recognition training.
+
+Reads and writes insightface's files without MXNet: RecordIO training sets
+(``train.rec``/``train.idx``/``property``) and verification packs
+(``lfw.bin`` ...); datasets over recs, image folders and list files; a
+distributed batch sampler; and a synthetic-identity generator.
+"""
+from .datasets import ImageFolderDataset, ImageListDataset, RecordIODataset
+from .errors import DataError
+from .facerec import image_keys, read_property, write_face_rec, write_property
+from .recordio import RecordIOReader, RecordIOWriter
+from .sampler import DistributedBatchSampler
+from .synthetic import generate as generate_synthetic
+from .transforms import FaceTransform, decode_image
+from .verification import load_verification_arrays, read_verification_bin, write_verification_bin
+
+__all__ = [
+    "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "DataError", "RecordIOReader",
+    "RecordIOWriter", "read_property", "write_property", "image_keys", "write_face_rec",
+    "DistributedBatchSampler", "generate_synthetic", "FaceTransform", "decode_image", "read_verification_bin",
+    "write_verification_bin", "load_verification_arrays",
+]
