@@ -106,6 +106,7 @@ SCHEMA = {
         "targets": _k(list, [], "verification packs, e.g. [lfw, cfp_fp, agedb_30]"),
         "interval": _k(int, 2000, "steps between evaluations (and at the end)"),
         "batch_size": _k(int, 128, "per-rank batch size of embedding extraction"),
+        "before_training": _k(bool, False, "also evaluate the untrained model (step 0)"),
     },
     "Checkpoint": {
         "interval": _k(int, 2000, "steps between checkpoints (and at the end)"),

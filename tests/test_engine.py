@@ -23,7 +23,7 @@ def data_root(tmp_path_factory):
 
 @pytest.mark.parametrize("ratio,opt", [(0.5, "sgd"), (1.0, "adamw")])
 def test_resume_equals_uninterrupted(tmp_path, data_root, ratio, opt):
-    sections = dict(Loss={"sample_ratio": ratio}, Optimizer={"name": opt}, Data={"random_flip": False})
+    sections = dict(Loss={"sample_ratio": ratio}, Optimizer={"name": opt})
     full = Trainer(config(data_root, str(tmp_path / "a"), **sections))
     history = full.train()
     assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]

@@ -20,4 +20,6 @@ history = trainer.train()
 rank = get_rank()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world_size": get_world_size(), "losses": [v for _, v in history],
-               "backbone": {n: float(p.abs().sum()) for n, p in trainer.backbone.named_parameters()}}, f)
+               # trainable weights only: BatchNorm running statistics are per rank, as in insightface
+               "backbone": {n: float(p.abs().sum()) for n, p in trainer.backbone.named_parameters()
+                            if not p.stop_gradient}}, f)

@@ -1,11 +1,12 @@
 """Process group, collectives with CPU fallbacks, and the class partition."""
 from .collective import (all_gather, all_reduce_, gather_concat, group_rank_size, reduce_scatter,
                          reduce_scatter_sum)
-from .env import get_backend, get_rank, get_world_size, init, is_initialized, launched_world_size
+from .env import (barrier, get_backend, get_rank, get_world_size, init, is_initialized,
+                  launched_world_size)
 from .partition import ClassPartition
 
 __all__ = [
-    "init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
+    "init", "barrier", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
     "all_gather", "reduce_scatter", "gather_concat", "reduce_scatter_sum", "all_reduce_",
     "group_rank_size", "ClassPartition",
 ]

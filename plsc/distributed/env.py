@@ -4,7 +4,8 @@ import os
 import paddle
 import paddle.distributed as dist
 
-__all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size"]
+__all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
+           "barrier"]
 
 
 def launched_world_size():
@@ -49,3 +50,9 @@ def get_world_size():
 def get_backend():
     """'GLOO', 'NCCL', ... of the default group; None for a world of size 1."""
     return dist.get_backend() if dist.is_initialized() else None
+
+
+def barrier():
+    """Wait for every rank (no-op for a world of size 1)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -71,7 +71,7 @@ def build_train_dataset(cfg):
     else:
         ds = plsc_data.ImageListDataset(root, **common)
     ds.transform.flip_prob = 0.5 if flip else 0.0
-    ds.transform.seed = seed
+    ds.transform.seed = int(seed)
     return ds
 
 

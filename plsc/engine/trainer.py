@@ -197,6 +197,8 @@ class Trainer:
                       f"batch {self.global_batch}, {self.total_steps} steps")
         self.backbone.train()
         self.head.train()
+        if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
+            self.evaluate()
         while self.step < self.total_steps:
             micro = []
             for images, labels in self._loader():
