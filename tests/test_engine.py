@@ -97,3 +97,80 @@ def test_train_cli_reports_config_errors(tmp_path):
                            "-c", str(bad)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown key 'Data.batch_sise'; did you mean 'batch_size'?" in proc.stderr
+
+
+def test_reshard_tool_export_and_import(tmp_path, data_root):
+    out = str(tmp_path / "one")
+    Trainer(config(data_root, out, Global={"max_steps": 3}, Loss={"sample_ratio": 0.5})).train()
+    src = os.path.join(out, "checkpoints", "step_00000003")
+    weight = np.load(os.path.join(src, "head_rank0", "weight.npy"))
+    velocity = np.load(os.path.join(src, "head_rank0", "opt.weight.velocity.npy"))
+    tool = [sys.executable, os.path.join(os.path.dirname(HERE), "tools", "reshard.py"), src]
+
+    def run(*args):
+        proc = subprocess.run(tool + list(args), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    three = str(tmp_path / "three")
+    run("--world-size", "3", "--output", three)
+    assert read_meta(three)["world_size"] == 3
+    parts = [np.load(os.path.join(three, f"head_rank{r}", "weight.npy")) for r in range(3)]
+    assert [len(p) for p in parts] == [8, 8, 8]
+    np.testing.assert_array_equal(np.concatenate(parts), weight)
+
+    run("--export", str(tmp_path / "w.npy"))
+    np.testing.assert_array_equal(np.load(tmp_path / "w.npy"), weight)
+    run("--export", str(tmp_path / "v.npy"), "--array", "opt.weight.velocity")
+    np.testing.assert_array_equal(np.load(tmp_path / "v.npy"), velocity)
+
+    new = np.random.RandomState(0).normal(size=weight.shape).astype("float32")
+    np.save(tmp_path / "new.npy", new)
+    imported = str(tmp_path / "imported")
+    run("--import", str(tmp_path / "new.npy"), "--output", imported)
+    resumed = Trainer(config(data_root, str(tmp_path / "r"), Global={"checkpoint": imported}))
+    np.testing.assert_array_equal(resumed.head.weight.numpy(), new)
+    assert not resumed.head_opt.state_dict()["weight.velocity"].numpy().any()
+
+    # One process resuming the 3-rank checkpoint gets the original classifier back.
+    back = Trainer(config(data_root, str(tmp_path / "b"), Global={"checkpoint": three}))
+    np.testing.assert_array_equal(back.head.weight.numpy(), weight)
+
+    bad = subprocess.run(tool + ["--world-size", "30", "--output", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "cannot split 24 classes over 30 ranks" in bad.stderr
+
+
+def test_gradient_accumulation_equals_the_whole_batch(tmp_path, data_root):
+    """Two micro-batches of 4 give the step of one batch of 8 (backbone without batch statistics)."""
+    from engine_common import make_backbone
+    rng = np.random.RandomState(3)
+    images = rng.normal(size=(8, 3, 16, 16)).astype("float32")
+    labels = rng.randint(0, 24, 8).astype("int64")
+    results = []
+    for micro in (1, 2):
+        trainer = Trainer(config(data_root, str(tmp_path / f"acc{micro}"),
+                                 Optimizer={"accumulate_steps": micro}), backbone=make_backbone(0))
+        trainer.head.weight.set_value(np.random.RandomState(4).normal(0, 0.1, (24, 32)).astype("float32"))
+        parts = np.array_split(np.arange(8), micro)
+        trainer.train_step([(paddle.to_tensor(images[p]), paddle.to_tensor(labels[p])) for p in parts])
+        results.append([p.numpy() for p in trainer.backbone.parameters()] + [trainer.head.weight.numpy()])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lr_schedules_follow_their_formulas():
+    from plsc.optim.schedule import StepLR, make_lr_fn
+    poly = make_lr_fn("poly", 0.1, total_steps=100, warmup_steps=10, power=2.0)
+    assert poly(0) == pytest.approx(0.01) and poly(9) == pytest.approx(0.1)
+    assert poly(55) == pytest.approx(0.1 * (1 - 45 / 90) ** 2)
+    piece = make_lr_fn("piecewise", 0.1, total_steps=100, boundaries=[30, 60], gamma=0.1)
+    assert [piece(s) for s in (29, 30, 60)] == pytest.approx([0.1, 0.01, 0.001])
+    cos = make_lr_fn("cosine", 0.1, total_steps=100)
+    assert cos(50) == pytest.approx(0.05) and cos(100) == pytest.approx(0.0)
+    sched = StepLR(poly)
+    seen = []
+    for _ in range(3):
+        seen.append(sched())
+        sched.step()
+    assert seen == pytest.approx([poly(0), poly(1), poly(2)])

@@ -27,7 +27,8 @@ import paddle
 from ..distributed import ClassPartition, barrier, get_rank, get_world_size
 
 __all__ = ["CheckpointManager", "find_checkpoint", "read_meta", "load_head_rows", "capture_rng",
-           "restore_rng", "portable_optimizer_state", "local_optimizer_state"]
+           "restore_rng", "portable_optimizer_state", "local_optimizer_state", "reshard_checkpoint",
+           "export_classifier", "import_classifier"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -189,3 +190,80 @@ class CheckpointManager:
             with open(rng_file, "rb") as f:
                 rng = pickle.load(f)
         return meta, backbone, trainer, rng
+
+
+def _copy_checkpoint(src, dst, meta, head_rows):
+    """Write checkpoint `dst` from `src`: same backbone and trainer state, the head
+    arrays given by `head_rows(name, rank, start, count)` for `meta`'s partition."""
+    if os.path.exists(dst):
+        raise FileExistsError(f"{dst} exists; choose a new output folder")
+    tmp = dst.rstrip("/") + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    for name in ("backbone.pdparams", "trainer.pdstates"):
+        shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+    part = ClassPartition(meta["num_classes"], meta["world_size"])
+    for r in range(part.world_size):
+        os.makedirs(os.path.join(tmp, f"head_rank{r}"))
+        for name in meta["head_arrays"]:
+            rows = head_rows(name, r, part.class_start(r), part.num_local(r))
+            _save_npy(os.path.join(tmp, f"head_rank{r}", f"{name}.npy"), rows)
+    _write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+    os.replace(tmp, dst)
+    return dst
+
+
+def reshard_checkpoint(src, dst, world_size):
+    """Copy checkpoint `src` to `dst` with the head split for `world_size` ranks.
+
+    RNG states are per rank and are not carried over (the resumed run seeds anew).
+    """
+    meta = read_meta(src)
+    part = ClassPartition(meta["num_classes"], world_size)  # raises for an impossible split
+    meta = dict(meta, world_size=int(world_size), shard_size=part.shard_size)
+    return _copy_checkpoint(src, dst, meta,
+                            lambda name, r, start, count: load_head_rows(src, name, start, count))
+
+
+def export_classifier(src, path, name="weight", chunk=1 << 16):
+    """Write head array `name` of all classes as one `[C, ...]` .npy, streamed by chunks."""
+    meta = read_meta(src)
+    if name not in meta["head_arrays"]:
+        raise KeyError(f"checkpoint {src} has no head array {name!r}; it has {meta['head_arrays']}")
+    first = load_head_rows(src, name, 0, 1)
+    tmp = path + ".part"
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=first.dtype,
+                                    shape=(meta["num_classes"],) + first.shape[1:])
+    for start in range(0, meta["num_classes"], chunk):
+        count = min(chunk, meta["num_classes"] - start)
+        out[start:start + count] = load_head_rows(src, name, start, count)
+    out.flush()
+    del out
+    os.replace(tmp, path)
+    return path
+
+
+def import_classifier(src, dst, weight_path, bias_path=None):
+    """Copy checkpoint `src` to `dst` with the classifier (and bias) read from .npy files of
+    all classes. The optimizer state of the replaced arrays restarts from zero."""
+    meta = read_meta(src)
+    new = {"weight": np.load(weight_path, mmap_mode="r")}
+    if bias_path is not None:
+        new["bias"] = np.load(bias_path, mmap_mode="r")
+    for name, array in new.items():
+        if name not in meta["head_arrays"]:
+            raise KeyError(f"checkpoint {src} has no head array {name!r}")
+        expect = (meta["num_classes"],) + load_head_rows(src, name, 0, 1).shape[1:]
+        if array.shape != expect:
+            raise ValueError(f"{weight_path if name == 'weight' else bias_path} has shape "
+                             f"{array.shape}, expected {expect} for checkpoint {src}")
+
+    def rows(name, r, start, count):
+        if name in new:
+            return np.asarray(new[name][start:start + count])
+        old = load_head_rows(src, name, start, count)
+        replaced = any(name.startswith(f"opt.{n}.") for n in new)
+        return np.zeros_like(old) if replaced else old
+
+    return _copy_checkpoint(src, dst, meta, rows)

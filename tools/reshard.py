@@ -1,0 +1,54 @@
+"""Re-shard a checkpoint's classifier offline, or export/import it as one array.
+
+    python tools/reshard.py CKPT --world-size 16 --output NEW_CKPT
+    python tools/reshard.py CKPT --export classifier.npy [--array bias --export bias.npy]
+    python tools/reshard.py CKPT --import classifier.npy [--import-bias bias.npy] --output NEW_CKPT
+
+Training resumes on any number of ranks without this tool (it re-shards as it
+loads); use it to prepare a checkpoint once, or to move the classifier in and out.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from plsc.engine.checkpoint import (export_classifier, import_classifier, read_meta,  # noqa: E402
+                                    reshard_checkpoint)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_XXXXXXXX)")
+    p.add_argument("--world-size", type=int, help="re-shard the head for this many ranks")
+    p.add_argument("--export", metavar="NPY", help="write head array --array of all classes here")
+    p.add_argument("--array", default="weight",
+                   help="head array to export: weight, bias, opt.weight.velocity, ... (default weight)")
+    p.add_argument("--import", dest="import_", metavar="NPY", help="classifier [C, d] to put in")
+    p.add_argument("--import-bias", metavar="NPY", help="bias [C] to put in (softmax heads)")
+    p.add_argument("--output", help="new checkpoint folder (for --world-size and --import)")
+    a = p.parse_args(argv)
+    try:
+        meta = read_meta(a.checkpoint)
+        if sum(x is not None for x in (a.world_size, a.export, a.import_)) != 1:
+            p.error("give exactly one of --world-size, --export, --import")
+        if a.export:
+            export_classifier(a.checkpoint, a.export, a.array)
+            print(f"wrote {a.array} of {meta['num_classes']} classes to {a.export}")
+        elif not a.output:
+            p.error("--output is required with --world-size and --import")
+        elif a.world_size:
+            reshard_checkpoint(a.checkpoint, a.output, a.world_size)
+            print(f"wrote {a.output}: head split for {a.world_size} ranks "
+                  f"(was {meta['world_size']})")
+        else:
+            import_classifier(a.checkpoint, a.output, a.import_, a.import_bias)
+            print(f"wrote {a.output} with the classifier from {a.import_}")
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
