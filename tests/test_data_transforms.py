@@ -63,3 +63,21 @@ def test_undecodable_bytes():
         decode_image(b"\x00\x01 not an image")
     with pytest.raises(DataError, match="cannot decode the image"):
         decode_image(b"")
+
+
+def test_uint8_output_normalised_on_the_device_equals_float_output(img):
+    """The trainer's path (raw HWC uint8, normalised as a batch) gives the float32 path's values."""
+    import paddle
+    buf = png_of_rgb(img)
+    for mean, std in ((127.5, 127.5), ((120.0, 110.0, 100.0), (60.0, 70.0, 80.0))):
+        f = FaceTransform((6, 5), train=True, seed=2, mean=mean, std=std)
+        u = FaceTransform((6, 5), train=True, seed=2, mean=mean, std=std, output="uint8")
+        raw = np.stack([u(buf, i) for i in range(8)])
+        assert raw.dtype == np.uint8 and raw.shape == (8, 6, 5, 3)
+        got = u.normalize(paddle.to_tensor(raw)).numpy()
+        want = np.stack([f(buf, i) for i in range(8)])
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        expect0 = (img.transpose(2, 0, 1).astype(np.float64)
+                   - np.reshape(mean, (-1, 1, 1))) / np.reshape(std, (-1, 1, 1))
+        i = next(i for i in range(8) if not f.flips(i))
+        np.testing.assert_allclose(got[i], expect0, atol=1e-5)

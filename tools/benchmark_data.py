@@ -1,6 +1,11 @@
 """Throughput of the RecordIO dataset (read + decode + transforms) against a plain
 `cv2.imdecode` loop over the same encoded bytes, in the same run. Prints JSON.
 
+Two outputs are measured: `float32` (ds[i] is the normalised CHW float32 array)
+and `uint8` (ds[i] is the decoded, flipped, resized HWC uint8 image; the trainer
+normalises whole batches on the device with FaceTransform.normalize, timed
+here too on the CPU, per image).
+
     python tools/benchmark_data.py [--root DIR_WITH_TRAIN_REC] [--images 3000] [--workers 2]
 
 Without --root a synthetic 112x112 JPEG rec is generated in a temporary folder.
@@ -45,13 +50,28 @@ def run(root, limit, workers, batch_size, repeats):
         for i in range(n):
             ds[i]
 
-    plain, through = 0.0, 0.0
-    for _ in range(repeats):  # interleaved, so both see the same machine state
+    raw = RecordIODataset(root, train=True)
+    raw.transform.output = "uint8"
+
+    def raw_loop():
+        for i in range(n):
+            raw[i]
+
+    batch = paddle.to_tensor(np.stack([raw[i][0] for i in range(min(n, batch_size))]))
+
+    def normalize_batches():
+        for _ in range(0, n, len(batch)):
+            raw.transform.normalize(batch)
+
+    plain, through, through_raw = 0.0, 0.0, 0.0
+    for _ in range(repeats):  # interleaved, so all see the same machine state
         plain = max(plain, _rate(plain_decode, n, 1))
         through = max(through, _rate(dataset_loop, n, 1))
+        through_raw = max(through_raw, _rate(raw_loop, n, 1))
+    normalize_rate = _rate(normalize_batches, len(range(0, n, len(batch))) * len(batch), repeats)
 
-    def loader_pass(num_workers):
-        subset = paddle.io.Subset(ds, list(range(n)))
+    def loader_pass(num_workers, dataset=ds):
+        subset = paddle.io.Subset(dataset, list(range(n)))
         loader = paddle.io.DataLoader(subset, batch_size=batch_size, shuffle=True, num_workers=num_workers,
                                       drop_last=True, use_shared_memory=num_workers > 0)
         it = iter(loader)
@@ -69,9 +89,14 @@ def run(root, limit, workers, batch_size, repeats):
         "imdecode_images_per_s": round(plain, 1),
         "dataset_images_per_s": round(through, 1),
         "ratio_single_process": round(through / plain, 3),
+        "dataset_uint8_images_per_s": round(through_raw, 1),
+        "ratio_single_process_uint8": round(through_raw / plain, 3),
+        "batch_normalize_cpu_images_per_s": round(normalize_rate, 1),
         "target_ratio": 0.85,
         "dataloader_workers0_images_per_s": round(loader_pass(0), 1),
         f"dataloader_workers{workers}_images_per_s": round(loader_pass(workers), 1),
+        "dataloader_uint8_workers0_images_per_s": round(loader_pass(0, raw), 1),
+        f"dataloader_uint8_workers{workers}_images_per_s": round(loader_pass(workers, raw), 1),
         "batch_size": batch_size,
     }
 

@@ -7,18 +7,20 @@ sample is replaced by the next good one and the skip is logged and counted
 """
 import logging
 import os
+import struct
 
 import paddle
 
 from . import facerec, irheader
 from .errors import DataError
-from .recordio import RecordIOReader
+from .recordio import _MAX_LEN, MAGIC, WHOLE, RecordIOReader
 from .sources import read_image_list, scan_image_folder
 from .transforms import FaceTransform
 
 __all__ = ["RecordIODataset", "ImageFolderDataset", "ImageListDataset"]
 
 logger = logging.getLogger("plsc.data")
+_FAST = struct.Struct("<IIIf")  # record magic, length word, IRHeader flag and label
 _MAX_CONSECUTIVE_BAD = 100
 
 
@@ -50,6 +52,8 @@ class _FaceDataset(paddle.io.Dataset):
         raise DataError(f"{first}; and the samples after it are bad too")
 
     def _sample(self, i):
+        if self.transform.num_samples != len(self):
+            self.transform.num_samples = len(self)
         buf, label, ref = self._load(i)
         try:
             return self.transform(buf, i), label
@@ -119,6 +123,18 @@ class RecordIODataset(_FaceDataset):
         return len(self.keys)
 
     def _load(self, i):
+        # Fast path for the common case: one whole record, scalar integer label in range.
+        buf = self.reader.pread(int(self._offsets[i]), int(self._spans[i]))
+        if len(buf) >= _FAST.size:
+            magic, word, flag, label = _FAST.unpack_from(buf)
+            end = 8 + (word & _MAX_LEN)
+            if (magic == MAGIC and word >> 29 == WHOLE and flag == 0 and end <= len(buf)
+                    and end >= 8 + irheader.HEADER_SIZE and label == int(label) and label >= 0
+                    and (self.num_classes is None or label < self.num_classes)):
+                return memoryview(buf)[8 + irheader.HEADER_SIZE:end], int(label), int(self.keys[i])
+        return self._load_checked(i)
+
+    def _load_checked(self, i):
         key = int(self.keys[i])
         payload = self.reader.read_at(int(self._offsets[i]), int(self._spans[i]), key)
         try:

@@ -206,6 +206,11 @@ class RecordIOReader:
             except DataError as err:
                 raise DataError(f"{self._where(key, offset)}: {err}") from None
 
+    def pread(self, offset, size):
+        """Raw bytes [offset, offset + size) of the .rec file (this process's own handle)."""
+        fd = self._fd if self._pid == os.getpid() else self._handle()
+        return os.pread(fd, size, offset)
+
     def _where(self, key, offset):
         return f"{self.rec_path}: record {'' if key is None else f'key {key} '}at offset {offset}"
 

@@ -72,6 +72,7 @@ def build_train_dataset(cfg):
         ds = plsc_data.ImageListDataset(root, **common)
     ds.transform.flip_prob = 0.5 if flip else 0.0
     ds.transform.seed = int(seed)
+    ds.transform.output = "uint8"  # normalised on the device by the trainer
     return ds
 
 

@@ -139,6 +139,8 @@ class Trainer:
     def forward_backward(self, images, labels, loss_factor=1.0):
         """One micro-batch: forward, scaled backward; returns the (unscaled) loss."""
         amp = self.cfg["AMP"]
+        if images.dtype == paddle.uint8:  # the loader's raw HWC images
+            images = self.dataset.transform.normalize(images)
         with paddle.amp.auto_cast(enable=amp["enable"], dtype=amp["dtype"], level="O1"):
             emb = self.backbone(images)
         loss = self.head(emb, labels)
