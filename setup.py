@@ -36,7 +36,8 @@ setup(
     ],
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],
-        "test": ["pytest>=7"],
+        "onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.16"],
+        "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

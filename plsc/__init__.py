@@ -3,6 +3,17 @@
 The classifier is split by class across ranks (model parallel), the backbone
 stays data-parallel, and the softmax cross entropy is computed with a few
 small collectives instead of gathering logits.
+
+    from plsc import Entry
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Entry", "__version__"]
+
+
+def __getattr__(name):  # `from plsc import Entry` without importing paddle for `import plsc`
+    if name == "Entry":
+        from .entry import Entry
+        return Entry
+    raise AttributeError(f"module 'plsc' has no attribute {name!r}")

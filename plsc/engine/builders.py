@@ -9,7 +9,7 @@ from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..optim import SparseAdamW, SparseMomentum
 
-__all__ = ["select_device", "build_margin_from_config", "build_train_dataset",
+__all__ = ["select_device", "build_backbone", "build_margin_from_config", "build_train_dataset",
            "build_backbone_optimizer", "build_head_optimizer"]
 
 DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "
@@ -26,6 +26,13 @@ def select_device(name):
     else:
         paddle.set_device("cpu")
     return paddle.get_device()
+
+
+def build_backbone(cfg):
+    m = cfg["Model"]
+    from ..models import build_model
+    return build_model(m["name"], embedding_size=m["embedding_size"],
+                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"])
 
 
 def build_margin_from_config(loss):

@@ -28,7 +28,7 @@ from ..distributed import ClassPartition, barrier, get_rank, get_world_size
 
 __all__ = ["CheckpointManager", "find_checkpoint", "read_meta", "load_head_rows", "capture_rng",
            "restore_rng", "portable_optimizer_state", "local_optimizer_state", "reshard_checkpoint",
-           "export_classifier", "import_classifier"]
+           "export_classifier", "import_classifier", "save_best"]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -267,3 +267,22 @@ def import_classifier(src, dst, weight_path, bias_path=None):
         return np.zeros_like(old) if replaced else old
 
     return _copy_checkpoint(src, dst, meta, rows)
+
+
+def save_best(output_dir, target, step, report, backbone_state):
+    """Keep `<output_dir>/best_<target>/` = the backbone at its best step and `best.json`."""
+    final = os.path.join(output_dir, f"best_{target}")
+    tmp = final + ".tmp"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    paddle.save(backbone_state, os.path.join(tmp, "backbone.pdparams"))
+    summary = {"target": target, "step": int(step),
+               **{k: v for k, v in report.items() if k not in ("far", "tar")}}
+    _write_bytes(os.path.join(tmp, "best.json"), json.dumps(summary, indent=1).encode())
+    old = final + ".old"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -60,7 +60,7 @@ class VerificationEvaluator:
     def path(self, target):
         return os.path.join(self.root, f"{target}.bin")
 
-    def __call__(self, model):
+    def __call__(self, model, with_roc=False):
         """{target: report} (see plsc.metrics.verification_report), on every rank."""
         reports = {}
         for target in self.targets:
@@ -68,5 +68,5 @@ class VerificationEvaluator:
                 self._packs[target] = load_verification_arrays(self.path(target), self.image_size)
             data, issame = self._packs[target]
             emb, flipped = extract_embeddings(model, data, self.batch_size)
-            reports[target] = verification_report(emb, issame, flipped)
+            reports[target] = verification_report(emb, issame, flipped, with_roc=with_roc)
         return reports

@@ -8,13 +8,12 @@ import paddle
 from .. import distributed as pd
 from ..config import ConfigError, dump_config
 from ..data import DistributedBatchSampler
-from ..models import build_model
 from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
 from .amp import LossScaler, grads_finite
-from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
+from .builders import (build_backbone, build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset, select_device)
-from .checkpoint import (CheckpointManager, find_checkpoint, load_head_rows, local_optimizer_state,
+from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_head_rows, local_optimizer_state,
                          portable_optimizer_state, restore_rng)
 from .evaluator import VerificationEvaluator
 from .logger import TrainLogger
@@ -91,9 +90,7 @@ class Trainer:
         self.global_batch = d["batch_size"] * self.world * self.accumulate
 
         m = cfg["Model"]
-        self.backbone = backbone if backbone is not None else build_model(
-            m["name"], embedding_size=m["embedding_size"], input_size=tuple(d["image_size"]),
-            dropout=m["dropout"])
+        self.backbone = backbone if backbone is not None else build_backbone(cfg)
         if g["pretrained"]:
             self.backbone.set_state_dict(paddle.load(g["pretrained"]))
         loss = cfg["Loss"]
@@ -117,6 +114,7 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.history = []  # (step, loss) of every optimizer step of this process
         self.eval_history = []
+        self.best = {}  # target -> best accuracy so far
         if g["checkpoint"]:
             self.resume(find_checkpoint(g["checkpoint"], self.output_dir))
         if self.rank == 0:
@@ -229,9 +227,14 @@ class Trainer:
             self.save()
 
     def evaluate(self):
+        """Verify every target; keep the backbone of each target's best step so far."""
         reports = self.evaluator(self.backbone)
         for target, report in reports.items():
             self.log.evaluation(self.step, target, report)
+            if self.step > 0 and report["accuracy"] > self.best.get(target, -1.0):
+                self.best[target] = report["accuracy"]
+                if self.rank == 0:
+                    save_best(self.output_dir, target, self.step, report, self.backbone.state_dict())
         self.eval_history.append((self.step, reports))
         return reports
 

@@ -68,11 +68,12 @@ def tar_at_far(dist, issame, far_targets=(1e-2, 1e-3, 1e-4)):
     return {float(t): float(tar[far <= t].max()) for t in far_targets}
 
 
-def verification_report(embeddings, issame, flipped=None, n_folds=10):
+def verification_report(embeddings, issame, flipped=None, n_folds=10, with_roc=False):
     """Accuracy ± std, threshold, TAR@FAR and mean embedding norm of one pack.
 
     `embeddings` are the 2P raw embeddings of the pack's images in pair order;
     `flipped` (optional) those of their horizontal flips, added before normalising.
+    With `with_roc`, the report also holds the ROC curve (`far`, `tar` arrays).
     """
     emb = np.asarray(embeddings, dtype=np.float64)
     norm = float(np.linalg.norm(emb, axis=1).mean())
@@ -80,6 +81,9 @@ def verification_report(embeddings, issame, flipped=None, n_folds=10):
         emb = emb + np.asarray(flipped, dtype=np.float64)
     dist = pair_distances(emb)
     accs, thresholds = kfold_accuracy(dist, issame, n_folds)
-    return {"accuracy": float(accs.mean()), "accuracy_std": float(accs.std()),
-            "threshold": float(thresholds.mean()), "embedding_norm": norm,
-            "tar_at_far": tar_at_far(dist, issame), "num_pairs": int(len(dist))}
+    report = {"accuracy": float(accs.mean()), "accuracy_std": float(accs.std()),
+              "threshold": float(thresholds.mean()), "embedding_norm": norm,
+              "tar_at_far": tar_at_far(dist, issame), "num_pairs": int(len(dist))}
+    if with_roc:
+        report["far"], report["tar"], _ = roc_curve(dist, issame)
+    return report

@@ -1,0 +1,126 @@
+"""What the tools and `Entry` do besides training: evaluate, export, extract, predict."""
+import os
+import sys
+
+import numpy as np
+import paddle
+
+from .. import data as plsc_data
+from .. import distributed as pd
+from ..config import ConfigError
+from ..metrics import save_roc_png
+from .builders import build_backbone, select_device
+from .checkpoint import find_checkpoint
+from .evaluator import VerificationEvaluator
+from .export import export_backbone, load_backbone_weights
+
+__all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract", "embed"]
+
+
+def trained_backbone(cfg, backbone=None):
+    """The config's backbone with the weights of Global.checkpoint ('latest' or a folder)
+    or else Global.pretrained (.pdparams), in eval mode."""
+    select_device(cfg["Global"]["device"])
+    g = cfg["Global"]
+    backbone = backbone if backbone is not None else build_backbone(cfg)
+    if g["checkpoint"]:
+        load_backbone_weights(backbone, find_checkpoint(g["checkpoint"], g["output_dir"]))
+    elif g["pretrained"]:
+        load_backbone_weights(backbone, g["pretrained"])
+    else:
+        raise ConfigError("no weights to use: set Global.checkpoint (a checkpoint folder or "
+                          "'latest') or Global.pretrained (a .pdparams file)")
+    backbone.eval()
+    return backbone
+
+
+def format_table(reports):
+    head = f"{'target':<12} {'accuracy':>17} {'threshold':>9} {'norm':>8} " \
+           f"{'TAR@1e-2':>9} {'TAR@1e-3':>9} {'TAR@1e-4':>9}"
+    rows = [head, "-" * len(head)]
+    for target, r in reports.items():
+        far = [r["tar_at_far"][k] for k in sorted(r["tar_at_far"], reverse=True)]
+        rows.append(f"{target:<12} {r['accuracy']:>8.4f} ± {r['accuracy_std']:.4f} "
+                    f"{r['threshold']:>9.3f} {r['embedding_norm']:>8.2f} "
+                    + " ".join(f"{v:>9.4f}" for v in far))
+    return "\n".join(rows)
+
+
+def evaluate(cfg, backbone=None, out=sys.stdout):
+    """Verify every Eval target; rank 0 prints a table and writes roc.png to output_dir."""
+    pd.init()
+    e = cfg["Eval"]
+    if not e["targets"]:
+        raise ConfigError("Eval.targets is empty: name the packs to verify, e.g. -o Eval.targets=[lfw]")
+    if not e["root"]:
+        raise ConfigError("Eval.root is not set: the folder holding <target>.bin")
+    model = trained_backbone(cfg, backbone)
+    reports = VerificationEvaluator(e["root"], e["targets"], cfg["Data"]["image_size"],
+                                    e["batch_size"])(model, with_roc=True)
+    if pd.get_rank() == 0:
+        out.write(format_table(reports) + "\n")
+        os.makedirs(cfg["Global"]["output_dir"], exist_ok=True)
+        path = os.path.join(cfg["Global"]["output_dir"], "roc.png")
+        save_roc_png({t: (r["far"], r["tar"]) for t, r in reports.items()}, path)
+        out.write(f"ROC curve: {path}\n")
+    return reports
+
+
+def export(cfg, out_dir=None, onnx=True, backbone=None):
+    """The trained backbone as a Paddle inference model (+ ONNX); returns the paths."""
+    model = trained_backbone(cfg, backbone)
+    out_dir = out_dir or os.path.join(cfg["Global"]["output_dir"], "export")
+    return export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
+
+
+def _progress(done, total, enabled):
+    if enabled:
+        width = 30
+        fill = width * done // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def embed(model, images, batch_size=128, flip=False):
+    """Embeddings of a float32 [N, 3, H, W] array (plus those of the flips with `flip`)."""
+    outs = []
+    with paddle.no_grad():
+        for i in range(0, len(images), batch_size):
+            x = paddle.to_tensor(np.ascontiguousarray(images[i:i + batch_size]))
+            e = model(x)
+            if flip:
+                e = e + model(paddle.flip(x, axis=[3]))
+            outs.append(e.astype("float32").numpy())
+    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+
+
+def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None):
+    """Embeddings of every image of `source` (a folder with train.rec, a list file, or an
+    image folder) to `output` (.npy) and their labels to `<output stem>_labels.npy`."""
+    model = trained_backbone(cfg, backbone)
+    size = tuple(cfg["Data"]["image_size"])
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "train.idx")):
+        ds = plsc_data.RecordIODataset(source, image_size=size, train=False)
+    elif os.path.isdir(source):
+        ds = plsc_data.ImageFolderDataset(source, image_size=size, train=False)
+    elif os.path.isfile(source):
+        ds = plsc_data.ImageListDataset(source, image_size=size, train=False)
+    else:
+        raise FileNotFoundError(f"{source} is neither a RecordIO folder, an image folder nor a list file")
+    batch_size = batch_size or cfg["Eval"]["batch_size"]
+    progress = sys.stderr.isatty() if progress is None else progress
+    loader = paddle.io.DataLoader(ds, batch_size=batch_size, shuffle=False, drop_last=False,
+                                  num_workers=cfg["Data"]["num_workers"])
+    embeddings, labels, done = [], [], 0
+    for images, batch_labels in loader:
+        embeddings.append(embed(model, images.numpy(), batch_size, flip))
+        labels.append(batch_labels.numpy().reshape(-1))
+        done += len(batch_labels)
+        _progress(done, len(ds), progress)
+    emb = np.concatenate(embeddings)
+    stem = output[:-4] if output.endswith(".npy") else output
+    np.save(stem + ".npy", emb)
+    np.save(stem + "_labels.npy", np.concatenate(labels))
+    return stem + ".npy", stem + "_labels.npy"

@@ -1,0 +1,136 @@
+"""Evaluation, export, extraction and the Entry API on a small trained run."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import paddle
+import pytest
+
+from engine_common import config, make_data
+from plsc.config import dump_config
+from plsc.engine import Trainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(os.path.dirname(HERE), "tools")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Four steps with verification before, during and after training; the config as YAML."""
+    data = make_data(str(tmp_path_factory.mktemp("tasks_data")))
+    out = str(tmp_path_factory.mktemp("tasks_run"))
+    cfg = config(data, out, Global={"max_steps": 4},
+                 Eval={"root": data, "targets": ["val"], "interval": 2, "batch_size": 16,
+                       "before_training": True})
+    trainer = Trainer(cfg)
+    trainer.train()
+    path = os.path.join(out, "config.yaml")
+    with open(path, "w") as f:
+        f.write(dump_config(cfg))
+    return {"cfg": cfg, "trainer": trainer, "yaml": path, "data": data, "out": out}
+
+
+def tool(name, *args):
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, name)] + list(args),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_best_backbone_is_kept_per_target(run):
+    history = [(step, r["val"]["accuracy"]) for step, r in run["trainer"].eval_history if step > 0]
+    best_step, best = max(history, key=lambda h: h[1])
+    summary = json.load(open(os.path.join(run["out"], "best_val", "best.json")))
+    assert summary["accuracy"] == best and summary["step"] == best_step
+    assert os.path.isfile(os.path.join(run["out"], "best_val", "backbone.pdparams"))
+
+
+def test_eval_tool_prints_table_and_roc(run):
+    text = tool("eval.py", "-c", run["yaml"], "-o", "Global.checkpoint=latest")
+    row = next(line for line in text.splitlines() if line.startswith("val "))
+    final = run["trainer"].eval_history[-1][1]["val"]
+    assert float(row.split()[1]) == pytest.approx(final["accuracy"], abs=5e-5)
+    assert "TAR@1e-3" in text
+    assert os.path.getsize(os.path.join(run["out"], "roc.png")) > 1000
+
+
+def test_eval_tool_without_weights_says_what_to_set(run):
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "eval.py"), "-c", run["yaml"],
+                           "-o", "Global.checkpoint=null"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "set Global.checkpoint" in proc.stderr
+
+
+def test_export_matches_dynamic_graph(run, tmp_path):
+    out = str(tmp_path / "export")
+    text = tool("export.py", "-c", run["yaml"], "-o", "Global.checkpoint=latest", "--output", out)
+    assert "paddle:" in text
+    model = run["trainer"].backbone
+    model.eval()
+    x = np.random.RandomState(0).normal(size=(3, 3, 16, 16)).astype("float32")
+    expect = model(paddle.to_tensor(x)).numpy()
+    loaded = paddle.jit.load(os.path.join(out, "inference"))
+    np.testing.assert_allclose(loaded(paddle.to_tensor(x)).numpy(), expect, rtol=1e-5, atol=1e-5)
+    ort = pytest.importorskip("onnxruntime")
+    assert "onnx:" in text
+    session = ort.InferenceSession(os.path.join(out, "model.onnx"))
+    got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_extract_writes_embeddings_and_labels(run, tmp_path):
+    out = str(tmp_path / "emb.npy")
+    tool("extract.py", "-c", run["yaml"], "-o", "Global.checkpoint=latest", "--input", run["data"],
+         "--output", out)
+    emb, labels = np.load(out), np.load(str(tmp_path / "emb_labels.npy"))
+    from plsc.data import RecordIODataset
+    ds = RecordIODataset(run["data"], image_size=(16, 16), train=False)
+    assert emb.shape == (len(ds), 32)
+    np.testing.assert_array_equal(labels, [ds[i][1] for i in range(len(ds))])
+    model = run["trainer"].backbone
+    model.eval()
+    first = model(paddle.to_tensor(np.stack([ds[i][0] for i in range(4)]))).numpy()
+    np.testing.assert_allclose(emb[:4], first, rtol=1e-5, atol=1e-5)
+
+
+def test_entry_api(run, tmp_path):
+    from plsc import Entry
+    with pytest.raises(ValueError, match="class_num must be a positive integer, got 0"):
+        Entry().set_class_num(0)
+    with pytest.raises(ValueError, match="loss_type must be one of dist_arcface"):
+        Entry().set_loss_type("dist_arc")
+    with pytest.raises(ValueError, match="unknown model 'IResNet500'; did you mean 'IResNet50'"):
+        Entry().set_model_name("IResNet500")
+    with pytest.raises(ValueError, match=r"sample_ratio must be in \(0, 1\]"):
+        Entry().set_sample_ratio(1.5)
+
+    ins = Entry.from_config(run["yaml"], ["Eval.before_training=false"])
+    ins.set_model_save_dir(str(tmp_path / "entry")).set_train_steps(2).set_loss_type("dist_cosface")
+    ins.set_class_num(24).set_sample_ratio(0.5).set_log_period(1).set_seed(1)
+    history = ins.train()
+    assert [s for s, _ in history] == [1, 2]
+    assert ins.get_config()["Loss"]["margin"] == "cosface"
+    reports = ins.test()
+    assert 0.0 <= reports["val"]["accuracy"] <= 1.0
+    paths = ins.convert_for_prediction(str(tmp_path / "entry_export"), onnx=False)
+    assert os.path.isfile(paths["paddle"] + ".pdiparams")
+    images = [(np.random.RandomState(i).rand(16, 16, 3) * 255).astype(np.uint8) for i in range(3)]
+    emb = ins.predict(images)
+    from plsc.engine.export import load_backbone_weights
+    from plsc.engine.builders import build_backbone
+    from plsc.engine.checkpoint import find_checkpoint
+    cfg = ins.get_config()
+    ref = build_backbone(cfg)
+    load_backbone_weights(ref, find_checkpoint("latest", cfg["Global"]["output_dir"]))
+    ref.eval()
+    x = np.stack([(im.transpose(2, 0, 1).astype("float32") - 127.5) / 127.5 for im in images])
+    np.testing.assert_allclose(emb, ref(paddle.to_tensor(x)).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_entry_demo_script_runs(tmp_path):
+    demo = os.path.join(os.path.dirname(HERE), "demo", "entry_demo.py")
+    proc = subprocess.run([sys.executable, demo, "--steps", "2", "--output", str(tmp_path / "o"),
+                           "--data", str(tmp_path / "d")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "val " in proc.stdout and "'paddle':" in proc.stdout
