@@ -48,6 +48,7 @@ def format_table(reports):
 
 def evaluate(cfg, backbone=None, out=sys.stdout):
     """Verify every Eval target; rank 0 prints a table and writes roc.png to output_dir."""
+    select_device(cfg["Global"]["device"])
     pd.init()
     e = cfg["Eval"]
     if not e["targets"]:
