@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, D = 5, 16  # per-rank batch and embedding width
 CLASS_COUNTS = (10, 23, 101)
 SAMPLED = (("arcface", 101, 0.5), ("softmax", 101, 0.5), ("cosface", 23, 0.3))
+CHUNKED = (("arcface", 101, 1.0, 7), ("softmax", 23, 1.0, 3), ("combined", 23, 1.0, 2),
+           ("cosface", 101, 0.5, 5))  # (margin, classes, sample ratio, chunk size)
 
 
 def margins():
@@ -35,14 +37,16 @@ def margins():
 
 
 def oracle_cases():
-    """(margin name, margin, num_classes, sample_ratio) of every oracle case."""
+    """(margin name, margin, num_classes, sample_ratio, chunk_size) of every oracle case."""
     ms = margins()
-    cases = [(name, m, c, 1.0) for c in CLASS_COUNTS for name, m in ms.items()]
-    return cases + [(name, ms[name], c, r) for name, c, r in SAMPLED]
+    cases = [(name, m, c, 1.0, 0) for c in CLASS_COUNTS for name, m in ms.items()]
+    cases += [(name, ms[name], c, r, 0) for name, c, r in SAMPLED]
+    return cases + [(name, ms[name], c, r, k) for name, c, r, k in CHUNKED]
 
 
-def case_name(margin_name, num_classes, ratio):
-    return f"{margin_name}-C{num_classes}" + (f"-rho{ratio}" if ratio < 1 else "")
+def case_name(margin_name, num_classes, ratio, chunk=0):
+    return (f"{margin_name}-C{num_classes}" + (f"-rho{ratio}" if ratio < 1 else "")
+            + (f"-chunk{chunk}" if chunk else ""))
 
 
 def gather_rows(t, pad_to=None):
@@ -118,7 +122,7 @@ def leaf(a):
     return t
 
 
-def check_against_oracles(margin, num_classes, ratio=1.0):
+def check_against_oracles(margin, num_classes, ratio=1.0, chunk=0):
     """The head on this group vs the dense oracle (restricted to the sampled classes when
     ratio < 1) on rank 0 and, at ratio 1, vs the PLSC-literal steps on every rank."""
     import paddle
@@ -129,7 +133,7 @@ def check_against_oracles(margin, num_classes, ratio=1.0):
     rank, k = get_rank(), get_world_size()
     x, y, w, b = make_case(seed=num_classes * 7 + k, n=k * B, d=D, num_classes=num_classes,
                            margin=margin)
-    head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5)
+    head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5, chunk_size=chunk)
     lo, hi = head.class_start, head.class_start + head.num_local
     head.weight.set_value(w[lo:hi])
     if b is not None:
@@ -253,9 +257,9 @@ def run(out_path):
     pd.init()
     results = {"world_size": pd.get_world_size(), "backend": pd.get_backend()}
     cases = [("collectives", check_collectives), ("bad_input", check_bad_input)]
-    for name, margin, c, ratio in oracle_cases():
-        cases.append((case_name(name, c, ratio),
-                      lambda m=margin, c=c, r=ratio: check_against_oracles(m, c, r)))
+    for name, margin, c, ratio, chunk in oracle_cases():
+        cases.append((case_name(name, c, ratio, chunk),
+                      lambda m=margin, c=c, r=ratio, k=chunk: check_against_oracles(m, c, r, k)))
     for name, fn in cases:
         try:
             results[name] = fn()

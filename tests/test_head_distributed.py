@@ -41,7 +41,7 @@ def case(world_size, name, tmp_path_factory):
 
 def _oracle_cases():
     from head_ranks import case_name, oracle_cases
-    return [case_name(name, c, r) for name, _, c, r in oracle_cases()]
+    return [case_name(name, c, r, k) for name, _, c, r, k in oracle_cases()]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

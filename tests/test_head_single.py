@@ -105,3 +105,39 @@ def test_shape_and_dtype_errors():
         PartialFC(4, 9, sample_ratio=0.0)
     with pytest.raises(TypeError, match="plsc.loss.Margin"):
         PartialFC(4, 9, margin="arcface")
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+@pytest.mark.parametrize("chunk", [1, 3, 10])
+def test_chunked_head_equals_dense(name, chunk):
+    """Blocks of `chunk` classes give the dense head's loss and gradients (and the oracle's)."""
+    margin = MARGINS[name]()
+    x, y, w, b = make_case(seed=chunk + 40, n=12, d=16, num_classes=23, margin=margin)
+    dense = run_head(margin, x, y, w, b)
+    head = PartialFC(16, 23, margin, chunk_size=chunk)
+    head.weight.set_value(w)
+    if b is not None:
+        head.bias.set_value(b)
+    xt = paddle.to_tensor(x)
+    xt.stop_gradient = False
+    loss = head(xt, paddle.to_tensor(y))
+    loss.backward()
+    assert head.last_chunk_size == chunk
+    got = {"loss": float(loss), "dx": xt.grad.numpy(), "dw": head.weight.grad.numpy()}
+    if b is not None:
+        got["db"] = head.bias.grad.numpy()
+    for key in dense:
+        assert rel_err(got[key], dense[key]) < 1e-5, (key, rel_err(got[key], dense[key]))
+    for key, (err, allowed) in compare(got, x, y, w, margin, b).items():
+        assert err <= allowed, (key, err, allowed)
+
+
+def test_auto_chunk_follows_the_logits_budget():
+    head = PartialFC(8, 1000, logits_budget=4 * 16 * 1000)  # exactly the dense logits of N=16
+    x, y = paddle.randn([16, 8]), paddle.randint(0, 1000, [16])
+    head(x, y)
+    assert head.last_chunk_size is None
+    head(paddle.randn([17, 8]), paddle.randint(0, 1000, [17]))
+    assert head.last_chunk_size == (4 * 16 * 1000) // (4 * 17)
+    with pytest.raises(ValueError, match="chunk_size must be 'auto', 0"):
+        PartialFC(8, 10, chunk_size=-1)

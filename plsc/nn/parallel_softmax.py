@@ -1,10 +1,20 @@
 """Memory-balanced softmax cross entropy over class-sharded logits.
 
-Each rank holds the logits of its own classes for the gathered batch,
-`[N, C_local]`, in one buffer that is reused in place: logits, then
-`exp(logit − max)`, then the gradient. Ranks exchange only `[N]` vectors
-(row max, row sum of exponentials, target log-probability). The backward is
-written by hand, so autograd never stores the logits or the softmax.
+Each rank holds the logits of its own classes for the gathered batch. Ranks
+exchange only `[N]` vectors (row max, row sum of exponentials, target
+log-probability); the backward is written by hand, so autograd never stores
+the logits or the softmax.
+
+Dense path: the `[N, C_local]` logits live in one buffer reused in place
+(logits, then `exp(logit − max)`, then the gradient).
+
+Chunked path (`chunk_size`): the classes are walked in blocks of `chunk_size`
+rows of the weight. The forward keeps a running row max and sum of
+exponentials per block (as flash attention does) and never holds more than
+one `[N, chunk_size]` block; the backward recomputes each block's logits,
+forms its gradient, accumulates the embedding gradient and writes that
+block's weight gradient. The collectives are the dense path's: one MAX, one
+SUM, the loss SUM (and the embedding-gradient reduce-scatter outside).
 """
 import paddle
 from paddle.autograd import PyLayer
@@ -38,99 +48,184 @@ def _subtract_scaled_rows_(out, rows_of, coef):
         out[i:j].subtract_(rows_of[i:j] * coef[i:j])
 
 
+class _Block:
+    """The classes [start, stop) of this rank's weight and the owned targets among them."""
+
+    def __init__(self, start, stop, rows, cols):
+        self.start, self.stop = start, stop
+        inside = paddle.logical_and(cols >= start, cols < stop)
+        self.rows = paddle.masked_select(rows, inside)
+        self.cols = paddle.masked_select(cols, inside) - start
+        self.owned = self.rows.shape[0] > 0
+        self.cos_t = None
+
+
+def _blocks(rows, cols, num_local, chunk_size):
+    step = num_local if not chunk_size else int(chunk_size)
+    return [_Block(s, min(s + step, num_local), rows, cols) for s in range(0, num_local, step)]
+
+
+def _block_logits(ctx, block, weight, bias):
+    """Logits of one block (margin applied to its targets); returns (logits, target logits)."""
+    w = weight[block.start:block.stop]
+    margin = ctx.margin
+    target_logit = None
+    if margin.normalized:
+        # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
+        logits = paddle.matmul(ctx.x_scaled, w, transpose_y=True)
+        logits.multiply_(ctx.inv_w[block.start:block.stop])  # 1-D operand: [1, C] is ~6x slower
+        if block.owned:
+            block.cos_t = _take(logits, block.rows, block.cols) / margin.scale
+            target_logit = margin.target_logit(block.cos_t)
+            logits.index_put_((block.rows, block.cols), target_logit)
+    else:
+        logits = paddle.matmul(ctx.features, w, transpose_y=True)
+        if bias is not None:
+            logits.add_(bias[block.start:block.stop])
+        if block.owned:
+            target_logit = _take(logits, block.rows, block.cols)
+    return logits, target_logit
+
+
+def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w):
+    """Gradients from one block of E = exp(logit − max): adds the embedding part to
+    `d_x` and returns this block's (weight rows, bias rows) gradients. With S the row
+    sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r and the column factors are
+    applied to the small GEMM operands, so the GEMMs are the only passes over `buf`."""
+    margin = ctx.margin
+    w = weight[block.start:block.stop]
+    if block.owned:
+        target = _take(buf, block.rows, block.cols) - paddle.gather(ctx.sum_exp, block.rows)
+        if margin.normalized:
+            target = target * margin.target_grad(block.cos_t) / margin.scale
+        buf.index_put_((block.rows, block.cols), target)
+    g_w = g_b = None
+    if margin.normalized:
+        # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
+        inv_w = ctx.inv_w[block.start:block.stop]
+        buf.multiply_(inv_w)
+        scale = row_scale * margin.scale
+        if d_x is not None:
+            d_x.add_(paddle.matmul(buf, w) * scale)
+        if need_w:
+            g_w = paddle.matmul(buf, ctx.x_hat * scale, transpose_x=True)
+            # dW_j = P_j − W_j (W_j·P_j) / |W_j|², P = dL/dŴ / |W|.
+            _subtract_scaled_rows_(g_w, w, _row_dot(w, g_w) * inv_w * inv_w)
+    else:
+        if d_x is not None:
+            d_x.add_(paddle.matmul(buf, w) * row_scale)
+        if need_w:
+            g_w = paddle.matmul(buf, ctx.features * row_scale, transpose_x=True)
+        if ctx.has_bias:
+            g_b = paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True)
+    return g_w, g_b
+
+
+def _assemble(out, block, rows, whole):
+    """The gradient of the whole weight: `rows` itself for a single block, else written in."""
+    if rows is None:
+        return out
+    if len(whole) == 1:
+        return rows
+    if out is None:
+        out = paddle.empty([block_total(whole)] + list(rows.shape[1:]), dtype=rows.dtype)
+    out[block.start:block.stop] = rows
+    return out
+
+
+def block_total(blocks):
+    return blocks[-1].stop
+
+
 class _ParallelSoftmaxCE(PyLayer):
     """Per-sample loss of the gathered batch; see `parallel_softmax_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, local_target, margin, group):
+    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size):
         n = features.shape[0]
+        num_local = weight.shape[0]
         rows = paddle.nonzero(local_target >= 0).reshape([-1])
         cols = paddle.gather(local_target, rows)
-        owned = rows.shape[0] > 0
-        cos_t = target_logit = None
+        ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
         if margin.normalized:
-            # cos = x̂·Ŵᵀ without an `Ŵ` copy: scale x̂ by s, then divide column j by |W_j|.
-            x_norm = _row_norm(features)
-            x_hat = features / x_norm.unsqueeze(1)
-            inv_w = 1.0 / _row_norm(weight)
-            logits = paddle.matmul(x_hat * margin.scale, weight, transpose_y=True)
-            logits.multiply_(inv_w)  # a 1-D operand: Paddle's [1, C] broadcast is ~6x slower
-            if owned:
-                cos_t = _take(logits, rows, cols) / margin.scale
-                target_logit = margin.target_logit(cos_t)
-                logits.index_put_((rows, cols), target_logit)
-            ctx.x_hat, ctx.x_norm, ctx.inv_w = x_hat, x_norm, inv_w
+            ctx.x_norm = _row_norm(features)
+            ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
+            ctx.x_scaled = ctx.x_hat * margin.scale
+            ctx.inv_w = 1.0 / _row_norm(weight)
         else:
-            logits = paddle.matmul(features, weight, transpose_y=True)
-            if bias is not None:
-                logits.add_(bias)
-            if owned:
-                target_logit = _take(logits, rows, cols)
             ctx.features = features
+        blocks = _blocks(rows, cols, num_local, chunk_size)
+        target_logit = paddle.zeros([n], dtype=features.dtype)
 
-        row_max = all_reduce_(logits.max(axis=1), "max", group)
-        logits.subtract_(row_max.unsqueeze(1))
-        logits.exp_()
-        sum_exp = all_reduce_(logits.sum(axis=1), "sum", group)
+        if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
+            logits, t = _block_logits(ctx, blocks[0], weight, bias)
+            if t is not None:
+                target_logit = paddle.scatter(target_logit, blocks[0].rows, t)
+            row_max = all_reduce_(logits.max(axis=1), "max", group)
+            logits.subtract_(row_max.unsqueeze(1))
+            logits.exp_()
+            sum_exp = all_reduce_(logits.sum(axis=1), "sum", group)
+            ctx.exp_logits = logits
+        else:  # chunked: running max and sum, blocks dropped as they go
+            run_max = paddle.full([n], float("-inf"), dtype=features.dtype)
+            run_sum = paddle.zeros([n], dtype=features.dtype)
+            for block in blocks:
+                logits, t = _block_logits(ctx, block, weight, bias)
+                if t is not None:
+                    target_logit = paddle.scatter(target_logit, block.rows, t)
+                new_max = paddle.maximum(run_max, logits.max(axis=1))
+                logits.subtract_(new_max.unsqueeze(1))
+                logits.exp_()
+                run_sum = run_sum * paddle.exp(run_max - new_max) + logits.sum(axis=1)
+                run_max = new_max
+                del logits
+            row_max = all_reduce_(run_max.clone(), "max", group)
+            sum_exp = all_reduce_(run_sum * paddle.exp(run_max - row_max), "sum", group)
+            ctx.exp_logits = None
 
         # log p[target] on the rank that owns the label, 0 elsewhere; the sum over
         # ranks is then the target log-probability of every sample.
-        target_logp = paddle.zeros([n], dtype=logits.dtype)
-        if owned:
-            logp = target_logit - paddle.gather(row_max, rows) - paddle.log(paddle.gather(sum_exp, rows))
+        target_logp = paddle.zeros([n], dtype=features.dtype)
+        if rows.shape[0] > 0:
+            logp = (paddle.gather(target_logit, rows) - paddle.gather(row_max, rows)
+                    - paddle.log(paddle.gather(sum_exp, rows)))
             target_logp = paddle.scatter(target_logp, rows, logp)
         all_reduce_(target_logp, "sum", group)
 
-        ctx.margin, ctx.has_bias = margin, bias is not None
-        ctx.weight, ctx.exp_logits, ctx.sum_exp = weight, logits, sum_exp
-        ctx.rows, ctx.cols, ctx.cos_t = rows, cols, cos_t
+        ctx.weight, ctx.bias, ctx.blocks = weight, bias, blocks
+        ctx.row_max, ctx.sum_exp = row_max, sum_exp
         ctx.grad_mask = (not features.stop_gradient, not weight.stop_gradient)
         return -target_logp
 
     @staticmethod
     def backward(ctx, grad):
-        # With E = exp(logit − max) and S its row sum, dL/dlogit = (g/S)·(E − S·onehot).
-        # The row factor g/S and the column factors are applied to the small GEMM
-        # operands and results, so the only passes over the buffer are the GEMMs.
-        margin, weight, buf, sum_exp = ctx.margin, ctx.weight, ctx.exp_logits, ctx.sum_exp
-        ctx.exp_logits = None
-        rows, cols = ctx.rows, ctx.cols
-        row_scale = (grad / sum_exp).unsqueeze(1)
-        if rows.shape[0] > 0:
-            target = _take(buf, rows, cols) - paddle.gather(sum_exp, rows)
-            if margin.normalized:
-                target = target * margin.target_grad(ctx.cos_t) / margin.scale
-            buf.index_put_((rows, cols), target)
-
+        weight, bias, margin, blocks = ctx.weight, ctx.bias, ctx.margin, ctx.blocks
+        row_scale = (grad / ctx.sum_exp).unsqueeze(1)
         need_x, need_w = ctx.grad_mask
-        d_x = d_w = d_b = None
-        if margin.normalized:
-            # dL/dcos = s·(g/S)·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
-            x_hat, x_norm, inv_w = ctx.x_hat, ctx.x_norm, ctx.inv_w
-            buf.multiply_(inv_w)
-            scale = row_scale * margin.scale
-            if need_x:
-                d_xhat = paddle.matmul(buf, weight) * scale
-                d_x = (d_xhat - x_hat * _row_dot(x_hat, d_xhat).unsqueeze(1)) / x_norm.unsqueeze(1)
-            if need_w:
-                d_w = paddle.matmul(buf, x_hat * scale, transpose_x=True)
-                del buf
-                # dW_j = P_j − W_j (W_j·P_j) / |W_j|², P = dL/dŴ / |W|.
-                _subtract_scaled_rows_(d_w, weight, _row_dot(weight, d_w) * inv_w * inv_w)
-        else:
-            features = ctx.features
-            if need_x:
-                d_x = paddle.matmul(buf, weight) * row_scale
-            if need_w:
-                d_w = paddle.matmul(buf, features * row_scale, transpose_x=True)
-            if ctx.has_bias:
-                d_b = paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True)
+        d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype=weight.dtype) if need_x else None
+        d_w = d_b = None
+        buf, ctx.exp_logits = ctx.exp_logits, None
+        for block in blocks:
+            if buf is None:  # chunked: recompute this block's exp(logit − max)
+                block_buf, _ = _block_logits(ctx, block, weight, bias)
+                block_buf.subtract_(ctx.row_max.unsqueeze(1))
+                block_buf.exp_()
+            else:
+                block_buf, buf = buf, None
+            g_w, g_b = _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w)
+            del block_buf
+            d_w = _assemble(d_w, block, g_w, blocks)
+            d_b = _assemble(d_b, block, g_b, blocks)
+        if need_x and margin.normalized:
+            x_hat = ctx.x_hat
+            d_x = (d_x - x_hat * _row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
         if ctx.has_bias:
             return d_x, d_w, d_b, None
         return d_x, d_w, None
 
 
-def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None):
+def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
+                                   chunk_size=None):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
@@ -141,6 +236,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
             rank owns it, -1 elsewhere (see `ClassPartition.shard_labels`).
         margin: a `plsc.loss.Margin`.
         group: process group of the class shards (default: the world).
+        chunk_size: None for the dense path, else classes per block of the
+            chunked path (memory `[N, chunk_size]` instead of `[N, C_local]`).
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
@@ -148,4 +245,6 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     """
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")
-    return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group)
+    if chunk_size is not None and int(chunk_size) >= weight.shape[0]:
+        chunk_size = None
+    return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size)

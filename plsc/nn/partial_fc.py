@@ -31,6 +31,11 @@ class PartialFC(nn.Layer):
             would see no gradient on `head.weight`).
         seed: seed of the sampling draw, which depends on (seed, step, rank);
             the step counter `head.sample_step` is a buffer saved with the state.
+        chunk_size: "auto" (default): the dense path while this rank's
+            `[N, num_sample]` float32 logits fit in `logits_budget` bytes, else
+            blocks of `logits_budget // (4·N)` classes; an int: always blocks of
+            that many classes (the logits never exist whole); 0: always dense.
+        logits_budget: bytes the logits may take with chunk_size="auto" (2 GiB).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: validate labels and batch sizes across ranks every step
@@ -39,7 +44,8 @@ class PartialFC(nn.Layer):
     """
 
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
-                 group=None, init_std=0.01, check_inputs=True):
+                 group=None, init_std=0.01, check_inputs=True, chunk_size="auto",
+                 logits_budget=2 << 30):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -53,6 +59,12 @@ class PartialFC(nn.Layer):
         self.margin = margin
         self.sample_ratio = float(sample_ratio)
         self.seed = int(seed)
+        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                     or chunk_size < 0):
+            raise ValueError(f"chunk_size must be 'auto', 0 (dense) or a positive int, got {chunk_size!r}")
+        if int(logits_budget) < 1:
+            raise ValueError(f"logits_budget must be a positive number of bytes, got {logits_budget!r}")
+        self.chunk_size, self.logits_budget = chunk_size, int(logits_budget)
         self.group = group
         self.check_inputs = bool(check_inputs)
         self.rank, self.world_size = group_rank_size(group)
@@ -80,11 +92,20 @@ class PartialFC(nn.Layer):
         local_target = self.partition.shard_labels(global_labels, self.rank)
         weight, bias, local_target = self._select_centres(local_target)
         features = all_gather(embeddings.astype("float32"), self.group)
+        self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
-                                                self.group)
+                                                self.group, self.last_chunk_size)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
+
+    def _chunk_for(self, n, num_centres):
+        """Classes per block for a step over `num_centres` centres (None: dense)."""
+        if self.chunk_size == "auto":
+            if 4 * n * num_centres <= self.logits_budget:
+                return None
+            return max(1, self.logits_budget // (4 * n))
+        return self.chunk_size or None
 
     def _select_centres(self, local_target):
         """The class centres that take part in this step, and labels indexing them."""
@@ -156,7 +177,7 @@ class PartialFC(nn.Layer):
     def extra_repr(self):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
-                f"margin={self.margin}, sample_ratio={self.sample_ratio}")
+                f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}")
 
 
 def _gather_rows(param, index):
