@@ -62,6 +62,11 @@ SCHEMA = {
         "straight_through": _k(bool, False, "insightface's margin gradient instead of the exact one"),
         "num_classes": _k(int, REQUIRED, "number of identities"),
         "sample_ratio": _k(NUM, 1.0, "Partial FC ratio of class centres per step, in (0, 1]"),
+        "chunk_size": _k(int, None, "classes per block of the logit-free head; null: automatic "
+                         "(dense while the logits fit in logits_budget_mb); 0: always dense",
+                         nullable=True),
+        "logits_budget_mb": _k(NUM, 2048, "memory the head's logits may take per rank when "
+                               "chunk_size is automatic"),
     },
     "Data": {
         "dataset": _k(str, "recordio", "recordio (train.rec/.idx), folder, list or synthetic",
@@ -184,6 +189,9 @@ def _check_ranges(cfg, source):
     need(0.0 < loss["sample_ratio"] <= 1.0,
          f"Loss.sample_ratio must be in (0, 1], got {loss['sample_ratio']}")
     need(loss["scale"] > 0, f"Loss.scale must be > 0, got {loss['scale']}")
+    need(loss["chunk_size"] is None or loss["chunk_size"] >= 0,
+         f"Loss.chunk_size must be null, 0 or positive, got {loss['chunk_size']}")
+    need(loss["logits_budget_mb"] > 0, f"Loss.logits_budget_mb must be > 0, got {loss['logits_budget_mb']}")
     need(data["batch_size"] >= 1, f"Data.batch_size must be >= 1, got {data['batch_size']}")
     need(len(data["image_size"]) == 2 and all(isinstance(v, int) and v > 0 for v in data["image_size"]),
          f"Data.image_size must be [height, width] of positive ints, got {data['image_size']}")

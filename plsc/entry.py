@@ -106,6 +106,16 @@ class Entry:
             raise ValueError(f"sample_ratio must be in (0, 1], got {ratio!r}")
         return self._set("Loss", "sample_ratio", float(ratio))
 
+    def set_chunk_size(self, chunk_size=None, logits_budget_mb=None):
+        """Logit-free head: classes per block (None: automatic from the budget; 0: dense)."""
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+                chunk_size, numbers.Integral) or chunk_size < 0):
+            raise ValueError(f"chunk_size must be None, 0 or a positive integer, got {chunk_size!r}")
+        self._set("Loss", "chunk_size", None if chunk_size is None else int(chunk_size))
+        if logits_budget_mb is not None:
+            self._set("Loss", "logits_budget_mb", _positive_number("logits_budget_mb", logits_budget_mb))
+        return self
+
     def set_train_batch_size(self, size):
         return self._set("Data", "batch_size", _positive_int("train_batch_size", size))
 

@@ -174,3 +174,11 @@ def test_lr_schedules_follow_their_formulas():
         seen.append(sched())
         sched.step()
     assert seen == pytest.approx([poly(0), poly(1), poly(2)])
+
+
+def test_chunked_head_trains_like_the_dense_one(tmp_path, data_root):
+    """Loss.chunk_size changes memory, not results: the same losses to fp32 rounding."""
+    dense = Trainer(config(data_root, str(tmp_path / "dense"), Global={"max_steps": 3})).train()
+    chunked = Trainer(config(data_root, str(tmp_path / "chunked"), Global={"max_steps": 3},
+                             Loss={"chunk_size": 5})).train()
+    np.testing.assert_allclose([v for _, v in chunked], [v for _, v in dense], rtol=1e-4)

@@ -4,11 +4,13 @@
         --num-classes 200000 --embedding-size 512 --batch-size 128
     python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
         --num-classes 1000000 --sample-ratio 1.0 0.3 0.1 --update
+    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+        --num-classes 400000 --batch-size 256 --chunk-size 0 25000
 
 A step is forward + backward (+ the head's SparseMomentum update with
 `--update`). Measured in the same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
-gradient; with sampling, on the sampled rows), and the peak memory the step
+gradient, dense shapes; with sampling, on the sampled rows), and the peak memory the step
 allocates over what existed before it (weights, optimizer state), in units of
 one `[N, num_local]` float32 buffer (N = global batch). `peak_extra_buffers`
 leaves out the gradients the step returns (they outlive it and any head needs
@@ -79,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--margin", default="arcface", choices=sorted(MARGINS), help="default arcface")
     p.add_argument("--sample-ratio", type=float, nargs="+", default=[1.0],
                    help="Partial FC ratio(s), each measured in turn (default 1.0)")
+    p.add_argument("--chunk-size", type=int, nargs="+", default=[0],
+                   help="classes per block of the logit-free head, each measured in turn "
+                        "(0: dense; default 0)")
     p.add_argument("--update", action="store_true",
                    help="include the head's optimizer update (SparseMomentum) in the step")
     p.add_argument("--steps", type=int, default=3, help="timed repetitions, median reported (default 3)")
@@ -86,11 +91,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def bench_ratio(args, ratio, rank, world):
+def bench_ratio(args, ratio, rank, world, chunk):
     d, b = args.embedding_size, args.batch_size
     n = b * world
     head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
-                     seed=args.seed)
+                     seed=args.seed, chunk_size=chunk)
     opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) if args.update else None
     rng = np.random.RandomState(args.seed + rank)
     x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
@@ -134,7 +139,7 @@ def bench_ratio(args, ratio, rank, world):
     return {
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
         "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
-        "embedding_size": d, "global_batch": n, "sample_ratio": ratio,
+        "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
         "num_sample": head.num_sample, "update": bool(args.update),
         "step_time_s": round(step_time, 4), "gemm_time_s": round(gemm_time, 4),
         "time_ratio": round(step_time / gemm_time, 3),
@@ -153,7 +158,8 @@ def main(argv=None):
     rank, world = pd.get_rank(), pd.get_world_size()
     paddle.seed(args.seed + rank)
     for ratio in args.sample_ratio:
-        print(json.dumps(bench_ratio(args, ratio, rank, world)), flush=True)
+        for chunk in args.chunk_size:
+            print(json.dumps(bench_ratio(args, ratio, rank, world, chunk)), flush=True)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ class Trainer:
         loss = cfg["Loss"]
         paddle.seed(g["seed"] + 1 + self.rank)  # class centres differ from rank to rank
         self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
-                              sample_ratio=loss["sample_ratio"], seed=g["seed"])
+                              sample_ratio=loss["sample_ratio"], seed=g["seed"],
+                              chunk_size="auto" if loss["chunk_size"] is None else loss["chunk_size"],
+                              logits_budget=int(loss["logits_budget_mb"] * (1 << 20)))
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
         self.lr = StepLR(self._lr_fn())
