@@ -87,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--update", action="store_true",
                    help="include the head's optimizer update (SparseMomentum) in the step")
     p.add_argument("--steps", type=int, default=3, help="timed repetitions, median reported (default 3)")
+    p.add_argument("--capacity", action="store_true",
+                   help="only run one step (forward, backward, SparseMomentum update) and report "
+                        "its memory: for finding the largest class count that fits")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -149,6 +152,43 @@ def bench_ratio(args, ratio, rank, world, chunk):
     }
 
 
+def rss_peak_bytes():
+    with open("/proc/self/status") as f:
+        return 1024 * int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+
+
+def capacity(args, ratio, rank, world, chunk):
+    """One full training step of the head at this size, and its memory per class:
+    `init` = building the head, `step` = forward, backward and the first update
+    (which creates the optimizer state), `state` = what stays (weights + momentum)."""
+    d, b = args.embedding_size, args.batch_size
+    meter = MemoryMeter()
+    meter.reset_peak()
+    start = time.perf_counter()
+    head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
+                     seed=args.seed, chunk_size=chunk)
+    init_peak = meter.peak()
+    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
+    rng = np.random.RandomState(args.seed + rank)
+    x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
+    x.stop_gradient = False
+    y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    meter.reset_peak()
+    head(x, y).backward()
+    opt.step(head)
+    sync()
+    step_peak, state = meter.peak(), meter.current()
+    per = head.num_local
+    return {"bench": "capacity", "rank": rank, "world_size": world, "num_classes": args.num_classes,
+            "num_local": per, "global_batch": b * world, "embedding_size": d,
+            "sample_ratio": ratio, "chunk_size": chunk, "completed": True,
+            "seconds": round(time.perf_counter() - start, 1),
+            "init_peak_bytes_per_class": round(init_peak / per, 1),
+            "step_peak_bytes_per_class": round(step_peak / per, 1),
+            "state_bytes_per_class": round(state / per, 1),
+            "rss_peak_bytes": rss_peak_bytes()}
+
+
 def main(argv=None):
     args = parse_args(argv)
     for r in args.sample_ratio:
@@ -157,9 +197,10 @@ def main(argv=None):
     pd.init()
     rank, world = pd.get_rank(), pd.get_world_size()
     paddle.seed(args.seed + rank)
+    run = capacity if args.capacity else bench_ratio
     for ratio in args.sample_ratio:
         for chunk in args.chunk_size:
-            print(json.dumps(bench_ratio(args, ratio, rank, world, chunk)), flush=True)
+            print(json.dumps(run(args, ratio, rank, world, chunk)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,31 +2,26 @@
 
     python tools/export.py -c configs/arcface_r50.yaml -o Global.checkpoint=latest --output export/
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plsc.config import ConfigError, load_config  # noqa: E402
+from plsc.cli import config_parser, run_tool  # noqa: E402
+
+
+def export(cfg, output, onnx):
+    from plsc.engine.tasks import export as export_task
+    for kind, path in export_task(cfg, output, onnx).items():
+        print(f"{kind}: {path}")
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Export a trained backbone for inference.")
-    p.add_argument("-c", "--config", required=True, help="YAML config (Model, Data.image_size)")
-    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="e.g. -o Global.checkpoint=latest")
-    p.add_argument("--output", help="folder to write (default: Global.output_dir/export)")
-    p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
-    a = p.parse_args(argv)
-    try:
-        from plsc.engine.tasks import export
-        for kind, path in export(load_config(a.config, a.override), a.output, not a.no_onnx).items():
-            print(f"{kind}: {path}")
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    parser = config_parser("Export a trained backbone for inference.")
+    parser.add_argument("--output", help="folder to write (default: Global.output_dir/export)")
+    parser.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
+    args = parser.parse_args(argv)
+    return run_tool(args, export, args.output, not args.no_onnx)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _ROW_CHUNK = 1024  # rows per step of the in-place weight-gradient correction (cache-sized)
+_WGRAD_SLAB = 4096  # classes per weight-gradient GEMM in the chunked path
 
 
 def _row_norm(x):
@@ -87,11 +88,13 @@ def _block_logits(ctx, block, weight, bias):
     return logits, target_logit
 
 
-def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w):
+def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w, out_w=None, out_b=None):
     """Gradients from one block of E = exp(logit − max): adds the embedding part to
-    `d_x` and returns this block's (weight rows, bias rows) gradients. With S the row
-    sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r and the column factors are
-    applied to the small GEMM operands, so the GEMMs are the only passes over `buf`."""
+    `d_x` and returns this block's (weight rows, bias rows) gradients, or writes them
+    into `out_w`/`out_b` (the chunked path) a slab of `_WGRAD_SLAB` classes at a time,
+    so that no `[chunk, d]` temporary exists. With S the row sum of E and r = g/S,
+    dL/dlogit = r·(E − S·onehot); r and the column factors are applied to the small
+    GEMM operands, so the GEMMs are the only passes over `buf`."""
     margin = ctx.margin
     w = weight[block.start:block.stop]
     if block.owned:
@@ -99,7 +102,6 @@ def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w):
         if margin.normalized:
             target = target * margin.target_grad(block.cos_t) / margin.scale
         buf.index_put_((block.rows, block.cols), target)
-    g_w = g_b = None
     if margin.normalized:
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
         inv_w = ctx.inv_w[block.start:block.stop]
@@ -107,34 +109,32 @@ def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w):
         scale = row_scale * margin.scale
         if d_x is not None:
             d_x.add_(paddle.matmul(buf, w) * scale)
-        if need_w:
-            g_w = paddle.matmul(buf, ctx.x_hat * scale, transpose_x=True)
-            # dW_j = P_j − W_j (W_j·P_j) / |W_j|², P = dL/dŴ / |W|.
-            _subtract_scaled_rows_(g_w, w, _row_dot(w, g_w) * inv_w * inv_w)
+        rhs = ctx.x_hat * scale
     else:
         if d_x is not None:
             d_x.add_(paddle.matmul(buf, w) * row_scale)
-        if need_w:
-            g_w = paddle.matmul(buf, ctx.features * row_scale, transpose_x=True)
-        if ctx.has_bias:
-            g_b = paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True)
-    return g_w, g_b
+        rhs = ctx.features * row_scale
 
+    def weight_rows(lo, hi):
+        part = buf if (lo, hi) == (0, buf.shape[1]) else buf[:, lo:hi]
+        g_w = paddle.matmul(part, rhs, transpose_x=True) if need_w else None
+        if need_w and margin.normalized:  # dW_j = P_j − W_j (W_j·P_j) / |W_j|², P = dL/dŴ / |W|.
+            w_part, inv = w[lo:hi], inv_w[lo:hi]
+            _subtract_scaled_rows_(g_w, w_part, _row_dot(w_part, g_w) * inv * inv)
+        g_b = (paddle.matmul(part, row_scale.reshape([-1]), transpose_x=True)
+               if ctx.has_bias else None)
+        return g_w, g_b
 
-def _assemble(out, block, rows, whole):
-    """The gradient of the whole weight: `rows` itself for a single block, else written in."""
-    if rows is None:
-        return out
-    if len(whole) == 1:
-        return rows
-    if out is None:
-        out = paddle.empty([block_total(whole)] + list(rows.shape[1:]), dtype=rows.dtype)
-    out[block.start:block.stop] = rows
-    return out
-
-
-def block_total(blocks):
-    return blocks[-1].stop
+    if out_w is None and out_b is None:
+        return weight_rows(0, buf.shape[1])
+    for lo in range(0, buf.shape[1], _WGRAD_SLAB):
+        hi = min(lo + _WGRAD_SLAB, buf.shape[1])
+        g_w, g_b = weight_rows(lo, hi)
+        if out_w is not None:
+            out_w[block.start + lo:block.start + hi] = g_w
+        if out_b is not None:
+            out_b[block.start + lo:block.start + hi] = g_b
+    return None, None
 
 
 class _ParallelSoftmaxCE(PyLayer):
@@ -205,17 +205,20 @@ class _ParallelSoftmaxCE(PyLayer):
         d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype=weight.dtype) if need_x else None
         d_w = d_b = None
         buf, ctx.exp_logits = ctx.exp_logits, None
-        for block in blocks:
-            if buf is None:  # chunked: recompute this block's exp(logit − max)
+        if buf is not None:  # dense: one block, its gradients are the whole gradients
+            d_w, d_b = _block_backward(ctx, blocks[0], buf, weight, row_scale, d_x, need_w)
+            del buf
+        else:  # chunked: recompute each block's exp(logit − max), write its rows
+            d_w = paddle.empty(weight.shape, dtype=weight.dtype) if need_w else None
+            d_b = paddle.empty(bias.shape, dtype=bias.dtype) if ctx.has_bias else None
+            for block in blocks:
                 block_buf, _ = _block_logits(ctx, block, weight, bias)
                 block_buf.subtract_(ctx.row_max.unsqueeze(1))
                 block_buf.exp_()
-            else:
-                block_buf, buf = buf, None
-            g_w, g_b = _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w)
-            del block_buf
-            d_w = _assemble(d_w, block, g_w, blocks)
-            d_b = _assemble(d_b, block, g_b, blocks)
+                _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w, d_w, d_b)
+                del block_buf
+        if not need_w:
+            d_w = None
         if need_x and margin.normalized:
             x_hat = ctx.x_hat
             d_x = (d_x - x_hat * _row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
