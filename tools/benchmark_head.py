@@ -158,9 +158,9 @@ def rss_peak_bytes():
 
 
 def capacity(args, ratio, rank, world, chunk):
-    """One full training step of the head at this size, and its memory per class:
-    `init` = building the head, `step` = forward, backward and the first update
-    (which creates the optimizer state), `state` = what stays (weights + momentum)."""
+    """Two full training steps of the head at this size, and its memory per class:
+    `init` = building the head, `step` = the second step's forward, backward and
+    update (the optimizer state exists by then), `state` = what stays between steps."""
     d, b = args.embedding_size, args.batch_size
     meter = MemoryMeter()
     meter.reset_peak()
@@ -173,6 +173,9 @@ def capacity(args, ratio, rank, world, chunk):
     x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
     x.stop_gradient = False
     y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    head(x, y).backward()
+    opt.step(head)  # creates the momentum
+    sync()
     meter.reset_peak()
     head(x, y).backward()
     opt.step(head)
