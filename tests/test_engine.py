@@ -182,3 +182,23 @@ def test_chunked_head_trains_like_the_dense_one(tmp_path, data_root):
     chunked = Trainer(config(data_root, str(tmp_path / "chunked"), Global={"max_steps": 3},
                              Loss={"chunk_size": 5})).train()
     np.testing.assert_allclose([v for _, v in chunked], [v for _, v in dense], rtol=1e-4)
+
+
+def test_loss_scale_growth_does_not_change_the_step(tmp_path, data_root):
+    """With scaling on (growing after every good step) the update equals the unscaled one."""
+    from engine_common import make_backbone
+    rng = np.random.RandomState(5)
+    images = paddle.to_tensor(rng.normal(size=(4, 3, 16, 16)).astype("float32"))
+    labels = paddle.to_tensor(rng.randint(0, 24, 4).astype("int64"))
+    results = []
+    for scaler in (None, LossScaler(True, init_scale=1024.0, growth_interval=1)):
+        trainer = Trainer(config(data_root, str(tmp_path / str(bool(scaler)))), backbone=make_backbone(0))
+        trainer.head.weight.set_value(np.random.RandomState(6).normal(0, 0.1, (24, 32)).astype("float32"))
+        if scaler is not None:
+            trainer.scaler = scaler
+        for _ in range(2):
+            trainer.train_step([(images, labels)])
+        results.append([p.numpy() for p in trainer.backbone.parameters()] + [trainer.head.weight.numpy()])
+    assert trainer.scaler.scale == 4096.0
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -152,12 +152,12 @@ class Trainer:
         params = [p for p in self.backbone.parameters() if not p.stop_gradient]
         sum_gradients(params)
         applied = True
+        inv_scale = 1.0 / self.scaler.scale  # the scale these gradients carry
         if self.scaler.enabled:
             finite = grads_finite([p.grad for p in params if p.grad is not None]) and \
                 self.head_opt.all_gradients_finite(self.head)
             flag = pd.all_reduce_(paddle.to_tensor([0.0 if finite else 1.0]), "max")
             applied = self.scaler.update(flag.item() == 0.0)
-        inv_scale = 1.0 / self.scaler.scale if self.scaler.enabled else 1.0
         if applied:
             if inv_scale != 1.0:
                 with paddle.no_grad():
