@@ -251,16 +251,16 @@ class Trainer:
 
     def save(self):
         head = self.head
+        arrays = self._head_arrays()
         meta = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "num_classes": head.num_classes, "embedding_size": head.embedding_size,
                 "shard_size": head.partition.shard_size, "sample_step": int(head.sample_step),
-                "head_arrays": sorted(self._head_arrays()), "model": self.cfg["Model"]["name"],
+                "head_arrays": sorted(arrays), "model": self.cfg["Model"]["name"],
                 "config": json.loads(json.dumps(self.cfg))}
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
                          "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
-        return self.ckpt.save(self.step, meta, self.backbone.state_dict(), trainer_state,
-                              self._head_arrays())
+        return self.ckpt.save(self.step, meta, self.backbone.state_dict(), trainer_state, arrays)
 
     def resume(self, path):
         meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
