@@ -65,18 +65,19 @@ class SparseRowOptimizer:
                 param.grad = None
         head.release_sampled_rows()
 
-    def _gradients(self, head):
-        """(name, parameter, unique sorted row index or None, gradient rows) to apply."""
+    def _pending(self, head):
+        """(name, parameter, [(row index or None, gradient rows), ...]) awaiting `step`."""
         for name, param, index, rows in _head_rows(head):
             parts = list(self._stash.get(name, ()))
             if rows is not None and rows.grad is not None:
-                if index is None:
-                    yield name, param, None, rows.grad
-                    continue
                 parts.append((index, rows.grad))
-            if not parts:
-                continue
-            if len(parts) == 1:
+            if parts:
+                yield name, param, parts
+
+    def _gradients(self, head):
+        """(name, parameter, unique sorted row index or None, gradient rows) to apply."""
+        for name, param, parts in self._pending(head):
+            if len(parts) == 1:  # also the dense case (index None): Paddle accumulated it
                 yield name, param, parts[0][0], parts[0][1]
                 continue
             index = paddle.concat([p[0] for p in parts])
@@ -86,8 +87,10 @@ class SparseRowOptimizer:
             yield name, param, unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
 
     def all_gradients_finite(self, head):
-        """Whether every gradient the next `step` would apply is finite (this rank)."""
-        return all(bool(paddle.isfinite(g).all()) for _, _, _, g in self._gradients(head))
+        """Whether every gradient the next `step` would apply is finite (this rank); the
+        stashed parts are checked as they are, without merging them."""
+        return all(bool(paddle.isfinite(g).all())
+                   for _, _, parts in self._pending(head) for _, g in parts)
 
     def _state_for(self, name, param):
         if name not in self._state:
