@@ -8,7 +8,21 @@ from ..data import load_verification_arrays
 from ..distributed import gather_concat, get_rank, get_world_size
 from ..metrics import verification_report
 
-__all__ = ["VerificationEvaluator", "extract_embeddings"]
+__all__ = ["VerificationEvaluator", "extract_embeddings", "embed"]
+
+
+def embed(model, images, batch_size):
+    """Embeddings (float32 numpy) of a float32 [N, 3, H, W] array, batch by batch, in eval mode."""
+    was_training = model.training
+    model.eval()
+    outs = []
+    with paddle.no_grad():
+        for i in range(0, len(images), batch_size):
+            x = paddle.to_tensor(np.ascontiguousarray(images[i:i + batch_size]))
+            outs.append(model(x).astype("float32").numpy())
+    if was_training:
+        model.train()
+    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
 
 
 def extract_embeddings(model, data, batch_size):
@@ -18,30 +32,16 @@ def extract_embeddings(model, data, batch_size):
     n = len(data)
     share = -(-n // world)
     mine = data[rank * share:(rank + 1) * share]
-    outs, flips = [], []
-    was_training = model.training
-    model.eval()
-    with paddle.no_grad():
-        dim = int(model(paddle.to_tensor(np.ascontiguousarray(data[:1]))).shape[1])
-        for i in range(0, share, batch_size):
-            batch = mine[i:i + batch_size]
-            if len(batch) == 0:
-                break
-            x = paddle.to_tensor(np.ascontiguousarray(batch))
-            outs.append(model(x).astype("float32").numpy())
-            flips.append(model(paddle.flip(x, axis=[3])).astype("float32").numpy())
-    if was_training:
-        model.train()
+    dim = embed(model, data[:1], 1).shape[1]  # known even to a rank whose share is empty
 
-    def collect(parts):
-        local = np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+    def collect(local):
         if world == 1:
             return local
         padded = np.zeros((share, dim), np.float32)
         padded[:len(local)] = local
         return gather_concat(paddle.to_tensor(padded)).numpy()[:n]
 
-    return collect(outs), collect(flips)
+    return collect(embed(model, mine, batch_size)), collect(embed(model, mine[..., ::-1], batch_size))
 
 
 class VerificationEvaluator:

@@ -11,7 +11,7 @@ from ..config import ConfigError
 from ..metrics import save_roc_png
 from .builders import build_backbone, select_device
 from .checkpoint import find_checkpoint
-from .evaluator import VerificationEvaluator
+from .evaluator import VerificationEvaluator, embed as embed_batches
 from .export import export_backbone, load_backbone_weights
 
 __all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract", "embed"]
@@ -86,15 +86,10 @@ def _progress(done, total, enabled):
 
 def embed(model, images, batch_size=128, flip=False):
     """Embeddings of a float32 [N, 3, H, W] array (plus those of the flips with `flip`)."""
-    outs = []
-    with paddle.no_grad():
-        for i in range(0, len(images), batch_size):
-            x = paddle.to_tensor(np.ascontiguousarray(images[i:i + batch_size]))
-            e = model(x)
-            if flip:
-                e = e + model(paddle.flip(x, axis=[3]))
-            outs.append(e.astype("float32").numpy())
-    return np.concatenate(outs) if outs else np.zeros((0, 0), np.float32)
+    emb = embed_batches(model, images, batch_size)
+    if flip:
+        emb = emb + embed_batches(model, images[..., ::-1], batch_size)
+    return emb
 
 
 def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None):
