@@ -212,6 +212,12 @@ def check_bad_input():
     if rank == 0:
         neg[0] = -4
     out["negative_label"] = expect_error(lambda: head(x, neg))
+    # check_inputs="labels": nothing read in the step; loss_value raises for the bad label.
+    lazy = PartialFC(D, 23, check_inputs="labels")
+    loss = lazy(x, bad)
+    loss.backward()
+    out["deferred_bad_label"] = expect_error(lambda: lazy.loss_value(loss))
+    out["deferred_good_equals_float"] = lazy.loss_value(lazy(x, good)) == float(lazy(x, good))
     xb = x[:B - 1] if rank == 1 else x
     out["uneven_batch"] = expect_error(lambda: head(xb, good[:xb.shape[0]]))
     # The group is still healthy: a normal step agrees on every rank.

@@ -62,6 +62,8 @@ def test_collectives(world_size, tmp_path_factory):
 def test_bad_input_raises_on_every_rank(world_size, tmp_path_factory):
     result = case(world_size, "bad_input", tmp_path_factory)
     assert result["bad_label"].startswith("label 23 on rank 1 is outside [0, 23)")
+    assert result["deferred_bad_label"].startswith("label 23 on rank 1 is outside [0, 23)")
+    assert result["deferred_good_equals_float"] is True
     assert result["negative_label"].startswith("label -4 on rank 0 is outside [0, 23)")
     assert "local batch sizes differ across ranks: [5, 4" in result["uneven_batch"]
     assert result["same_on_all_ranks"] and result["after_errors_ok"]

@@ -95,6 +95,19 @@ def test_bad_label_names_value_and_range(bad):
         head(paddle.randn([3, 4]), y)
 
 
+def test_deferred_label_check_raises_on_reading_the_loss():
+    head = PartialFC(4, 9, check_inputs="labels")
+    x = paddle.randn([3, 4])
+    loss = head(x, paddle.to_tensor([0, 12, 3], dtype="int64"))  # no read, no error yet
+    assert np.isfinite(float(loss))
+    with pytest.raises(ValueError, match=r"label 12 on rank 0 is outside \[0, 9\) \(1 bad"):
+        head.loss_value(loss)
+    good = head(x, paddle.to_tensor([0, 8, 3], dtype="int64"))
+    assert head.loss_value(good) == float(good)
+    with pytest.raises(ValueError, match="check_inputs"):
+        PartialFC(4, 9, check_inputs="yes")
+
+
 def test_shape_and_dtype_errors():
     head = PartialFC(4, 9)
     with pytest.raises(ValueError, match=r"shape \[batch, 4\]"):

@@ -6,11 +6,16 @@
         --num-classes 1000000 --sample-ratio 1.0 0.3 0.1 --update
     python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
         --num-classes 400000 --batch-size 256 --chunk-size 0 25000
+    python tools/benchmark_head.py --num-classes 12500000 --embedding-size 128 \
+        --batch-size 256 --sample-ratio 0.1 --compare-dense
 
 A step is forward + backward (+ the head's SparseMomentum update with
 `--update`). Measured in the same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
-gradient, dense shapes; with sampling, on the sampled rows), and the peak memory the step
+gradient, dense shapes; with sampling, on the sampled rows; each timed alone, the three
+times added), with sampling the time of the draw alone (`sample_time_s`) and, with
+`--compare-dense`, the step of a head of exactly the sampled number of classes without
+sampling (`dense_ratio` = step / that step), and the peak memory the step
 allocates over what existed before it (weights, optimizer state), in units of
 one `[N, num_local]` float32 buffer (N = global batch). `peak_extra_buffers`
 leaves out the gradients the step returns (they outlive it and any head needs
@@ -32,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import plsc.distributed as pd  # noqa: E402
 from plsc.loss import MARGINS  # noqa: E402
 from plsc.nn import PartialFC  # noqa: E402
+from plsc.nn.sampling import sample_centres  # noqa: E402
 from plsc.optim import SparseMomentum  # noqa: E402
 
 
@@ -86,6 +92,9 @@ def parse_args(argv=None):
                         "(0: dense; default 0)")
     p.add_argument("--update", action="store_true",
                    help="include the head's optimizer update (SparseMomentum) in the step")
+    p.add_argument("--compare-dense", action="store_true",
+                   help="also time a head of exactly the sampled number of classes without "
+                        "sampling (dense_step_time_s, dense_ratio)")
     p.add_argument("--steps", type=int, default=3, help="timed repetitions, median reported (default 3)")
     p.add_argument("--capacity", action="store_true",
                    help="only run one step (forward, backward, SparseMomentum update) and report "
@@ -138,8 +147,27 @@ def bench_ratio(args, ratio, rank, world, chunk):
     gemm_time = sum(timed(g, args.steps) for g in gemms)
     del feats, w, logits
 
+    extra = {}
+    if ratio < 1.0:  # the draw alone, on this step's labels
+        target = head.partition.shard_labels(pd.gather_concat(y), rank)
+        extra["sample_time_s"] = round(timed(lambda: sample_centres(
+            target, head.num_local, ratio, args.seed, 0, rank), args.steps), 4)
+    if args.compare_dense:  # a head of exactly the sampled number of classes, no sampling
+        dense = PartialFC(d, head.num_sample * world, MARGINS[args.margin](), chunk_size=chunk)
+        dense_y = paddle.to_tensor(rng.randint(0, head.num_sample * world, b).astype("int64"))
+
+        def dense_step():
+            x.grad = None
+            dense.weight.grad = None
+            dense(x, dense_y).backward()
+        dense_step()
+        dense_time = timed(dense_step, args.steps)
+        extra.update(dense_step_time_s=round(dense_time, 4),
+                     dense_ratio=round(step_time / dense_time, 3))
+        del dense
+
     buffer_bytes = n * head.num_local * 4
-    return {
+    return {**extra, 
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
         "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
         "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,

@@ -98,7 +98,8 @@ class Trainer:
         self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
                               sample_ratio=loss["sample_ratio"], seed=g["seed"],
                               chunk_size="auto" if loss["chunk_size"] is None else loss["chunk_size"],
-                              logits_budget=int(loss["logits_budget_mb"] * (1 << 20)))
+                              logits_budget=int(loss["logits_budget_mb"] * (1 << 20)),
+                              check_inputs="labels")  # the sampler makes equal batches
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
         self.lr = StepLR(self._lr_fn())
@@ -145,7 +146,7 @@ class Trainer:
             emb = self.backbone(images)
         loss = self.head(emb, labels)
         (loss * (self.scaler.scale * loss_factor)).backward()
-        return float(loss)
+        return self.head.loss_value(loss)  # the step's one host read; raises for bad labels
 
     def optimizer_step(self):
         """Sum backbone gradients across ranks, check, unscale, clip, update both parts."""

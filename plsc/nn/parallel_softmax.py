@@ -37,10 +37,6 @@ def _row_dot(a, b):
     return paddle.einsum("ij,ij->i", a, b)
 
 
-def _take(x, rows, cols):
-    return paddle.gather_nd(x, paddle.stack([rows, cols], axis=1))
-
-
 def _subtract_scaled_rows_(out, rows_of, coef):
     """out -= coef[:, None] * rows_of, in place, a slab of rows at a time."""
     coef = coef.unsqueeze(1)
@@ -50,41 +46,50 @@ def _subtract_scaled_rows_(out, rows_of, coef):
 
 
 class _Block:
-    """The classes [start, stop) of this rank's weight and the owned targets among them."""
+    """The classes [start, stop) of this rank's weight, and each row's target column in it.
 
-    def __init__(self, start, stop, rows, cols):
+    Every row of the batch is addressed (rows whose target lies elsewhere write their own
+    value back), so no shape depends on the labels and nothing is read back to the host."""
+
+    def __init__(self, start, stop, local_target):
         self.start, self.stop = start, stop
-        inside = paddle.logical_and(cols >= start, cols < stop)
-        self.rows = paddle.masked_select(rows, inside)
-        self.cols = paddle.masked_select(cols, inside) - start
-        self.owned = self.rows.shape[0] > 0
+        self.inside = paddle.logical_and(local_target >= start, local_target < stop)
+        self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
         self.cos_t = None
 
+    def take(self, buf):
+        """`[N]` entries of `buf` at each row's target column."""
+        return paddle.take_along_axis(buf, self.col, 1, broadcast=False).squeeze(1)
 
-def _blocks(rows, cols, num_local, chunk_size):
+    def put_(self, buf, value, old):
+        """Write `value` at the target entries of the rows inside this block, in place."""
+        buf.put_along_axis_(self.col, paddle.where(self.inside, value, old).unsqueeze(1), 1,
+                            broadcast=False)
+
+
+def _blocks(local_target, num_local, chunk_size):
     step = num_local if not chunk_size else int(chunk_size)
-    return [_Block(s, min(s + step, num_local), rows, cols) for s in range(0, num_local, step)]
+    return [_Block(s, min(s + step, num_local), local_target) for s in range(0, num_local, step)]
 
 
 def _block_logits(ctx, block, weight, bias):
-    """Logits of one block (margin applied to its targets); returns (logits, target logits)."""
+    """Logits of one block (margin applied to its targets); returns (logits, `[N]` target
+    logits, meaningful for the rows whose target is inside the block)."""
     w = weight[block.start:block.stop]
     margin = ctx.margin
-    target_logit = None
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
         logits = paddle.matmul(ctx.x_scaled, w, transpose_y=True)
         logits.multiply_(ctx.inv_w[block.start:block.stop])  # 1-D operand: [1, C] is ~6x slower
-        if block.owned:
-            block.cos_t = _take(logits, block.rows, block.cols) / margin.scale
-            target_logit = margin.target_logit(block.cos_t)
-            logits.index_put_((block.rows, block.cols), target_logit)
+        plain = block.take(logits)
+        block.cos_t = plain / margin.scale
+        target_logit = margin.target_logit(block.cos_t)
+        block.put_(logits, target_logit, plain)
     else:
         logits = paddle.matmul(ctx.features, w, transpose_y=True)
         if bias is not None:
             logits.add_(bias[block.start:block.stop])
-        if block.owned:
-            target_logit = _take(logits, block.rows, block.cols)
+        target_logit = block.take(logits)
     return logits, target_logit
 
 
@@ -97,11 +102,11 @@ def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w, out_w=None,
     GEMM operands, so the GEMMs are the only passes over `buf`."""
     margin = ctx.margin
     w = weight[block.start:block.stop]
-    if block.owned:
-        target = _take(buf, block.rows, block.cols) - paddle.gather(ctx.sum_exp, block.rows)
-        if margin.normalized:
-            target = target * margin.target_grad(block.cos_t) / margin.scale
-        buf.index_put_((block.rows, block.cols), target)
+    old = block.take(buf)
+    target = old - ctx.sum_exp
+    if margin.normalized:
+        target = target * margin.target_grad(block.cos_t) / margin.scale
+    block.put_(buf, target, old)
     if margin.normalized:
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
         inv_w = ctx.inv_w[block.start:block.stop]
@@ -144,8 +149,6 @@ class _ParallelSoftmaxCE(PyLayer):
     def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size):
         n = features.shape[0]
         num_local = weight.shape[0]
-        rows = paddle.nonzero(local_target >= 0).reshape([-1])
-        cols = paddle.gather(local_target, rows)
         ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
         if margin.normalized:
             ctx.x_norm = _row_norm(features)
@@ -154,13 +157,10 @@ class _ParallelSoftmaxCE(PyLayer):
             ctx.inv_w = 1.0 / _row_norm(weight)
         else:
             ctx.features = features
-        blocks = _blocks(rows, cols, num_local, chunk_size)
-        target_logit = paddle.zeros([n], dtype=features.dtype)
+        blocks = _blocks(local_target, num_local, chunk_size)
 
         if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
-            logits, t = _block_logits(ctx, blocks[0], weight, bias)
-            if t is not None:
-                target_logit = paddle.scatter(target_logit, blocks[0].rows, t)
+            logits, target_logit = _block_logits(ctx, blocks[0], weight, bias)
             row_max = all_reduce_(logits.max(axis=1), "max", group)
             logits.subtract_(row_max.unsqueeze(1))
             logits.exp_()
@@ -169,10 +169,10 @@ class _ParallelSoftmaxCE(PyLayer):
         else:  # chunked: running max and sum, blocks dropped as they go
             run_max = paddle.full([n], float("-inf"), dtype=features.dtype)
             run_sum = paddle.zeros([n], dtype=features.dtype)
+            target_logit = paddle.zeros([n], dtype=features.dtype)
             for block in blocks:
                 logits, t = _block_logits(ctx, block, weight, bias)
-                if t is not None:
-                    target_logit = paddle.scatter(target_logit, block.rows, t)
+                target_logit = paddle.where(block.inside, t, target_logit)
                 new_max = paddle.maximum(run_max, logits.max(axis=1))
                 logits.subtract_(new_max.unsqueeze(1))
                 logits.exp_()
@@ -185,11 +185,8 @@ class _ParallelSoftmaxCE(PyLayer):
 
         # log p[target] on the rank that owns the label, 0 elsewhere; the sum over
         # ranks is then the target log-probability of every sample.
-        target_logp = paddle.zeros([n], dtype=features.dtype)
-        if rows.shape[0] > 0:
-            logp = (paddle.gather(target_logit, rows) - paddle.gather(row_max, rows)
-                    - paddle.log(paddle.gather(sum_exp, rows)))
-            target_logp = paddle.scatter(target_logp, rows, logp)
+        logp = target_logit - row_max - paddle.log(sum_exp)
+        target_logp = paddle.where(local_target >= 0, logp, paddle.zeros_like(logp))
         all_reduce_(target_logp, "sum", group)
 
         ctx.weight, ctx.bias, ctx.blocks = weight, bias, blocks

@@ -38,9 +38,12 @@ class PartialFC(nn.Layer):
         logits_budget: bytes the logits may take with chunk_size="auto" (2 GiB).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
-        check_inputs: validate labels and batch sizes across ranks every step
-            (one tiny all-gather), so that bad input raises on every rank
-            instead of hanging or corrupting a collective.
+        check_inputs: True: validate labels and batch sizes across ranks every step
+            (one tiny all-gather and one host read), so that bad input raises on
+            every rank before any other collective. "labels": no read in the step
+            (batch sizes are the caller's promise, e.g. a drop_last sampler); labels
+            outside [0, num_classes) are left out of the step and
+            `head.loss_value(loss)` raises for them as it reads the loss. False: neither.
     """
 
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
@@ -66,7 +69,9 @@ class PartialFC(nn.Layer):
             raise ValueError(f"logits_budget must be a positive number of bytes, got {logits_budget!r}")
         self.chunk_size, self.logits_budget = chunk_size, int(logits_budget)
         self.group = group
-        self.check_inputs = bool(check_inputs)
+        if check_inputs not in (True, False, "labels"):
+            raise ValueError(f"check_inputs must be True, False or 'labels', got {check_inputs!r}")
+        self.check_inputs = check_inputs
         self.rank, self.world_size = group_rank_size(group)
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start = self.partition.class_start(self.rank)
@@ -78,18 +83,24 @@ class PartialFC(nn.Layer):
         if not margin.normalized:
             self.bias = self.create_parameter([self.num_local], dtype="float32", is_bias=True,
                                               default_initializer=nn.initializer.Constant(0.0))
-        self.register_buffer("sample_step", paddle.zeros([], dtype="int64"))
+        # The sampling step counter lives on the host, so reading it never waits for a device.
+        self.register_buffer("sample_step", paddle.zeros([], dtype="int64").cpu())
         self.sample_loss = None
         # The centres of the last step: indices into this rank's classes (None: all).
         self.sampled_index = self.sampled_weight = self.sampled_bias = None
-        self._last_target = None
+        self._last_target = self._bad_labels = self._global_labels = None
 
     def forward(self, embeddings, labels):
         labels = self._check_local(embeddings, labels)
-        if self.check_inputs:
+        if self.check_inputs is True:
             self._check_across_ranks(labels)
         global_labels = gather_concat(labels, self.group)
-        local_target = self.partition.shard_labels(global_labels, self.rank)
+        # Labels outside [0, C) (possible with check_inputs "labels" or False) belong to no rank.
+        self._bad_labels = paddle.logical_or(global_labels < 0, global_labels >= self.num_classes)
+        self._global_labels = global_labels
+        safe = paddle.where(self._bad_labels, paddle.zeros_like(global_labels), global_labels)
+        local_target = paddle.where(self._bad_labels, paddle.full_like(global_labels, -1),
+                                    self.partition.shard_labels(safe, self.rank))
         weight, bias, local_target = self._select_centres(local_target)
         features = all_gather(embeddings.astype("float32"), self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
@@ -112,18 +123,17 @@ class PartialFC(nn.Layer):
         if self.sample_ratio >= 1.0:
             self._last_target = local_target
             return self.weight, self.bias, local_target
-        step = int(self.sample_step)
-        index, target = sample_centres(local_target.numpy(), self.num_local, self.sample_ratio,
+        step = int(self.sample_step)  # a host tensor: no device read
+        index, target = sample_centres(local_target, self.num_local, self.sample_ratio,
                                        self.seed, step, self.rank)
         if self.training:
-            self.sample_step.set_value(paddle.to_tensor(step + 1, dtype="int64"))
-        index = paddle.to_tensor(index)
+            self.sample_step.fill_(step + 1)
         # Gathered from a detached weight, so the gradient is [num_sample, d], never [num_local, d].
         self.sampled_index = index
         self.sampled_weight = _gather_rows(self.weight, index)
         self.sampled_bias = _gather_rows(self.bias, index) if self.bias is not None else None
-        self._last_target = paddle.to_tensor(target)
-        return self.sampled_weight, self.sampled_bias, self._last_target
+        self._last_target = target
+        return self.sampled_weight, self.sampled_bias, target
 
     def release_sampled_rows(self):
         """Drop the last step's gathered rows and their gradients (the optimizer applied them)."""
@@ -158,17 +168,29 @@ class PartialFC(nn.Layer):
             raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")
         return labels
 
+    def loss_value(self, loss):
+        """`float(loss)` of the last forward, read together with the label check in one host
+        read; raises ValueError (the same on every rank) if a label was outside [0, C)."""
+        bad = self._bad_labels.astype("int64")
+        first = paddle.argmax(bad)
+        packed = paddle.stack([loss.reshape([]).astype("float64"), bad.sum().astype("float64"),
+                               first.astype("float64"),
+                               self._global_labels[first].astype("float64")]).numpy()
+        if packed[1]:
+            _raise_bad_label(int(packed[3]), int(packed[2]) // (self._global_labels.shape[0]
+                                                                 // self.world_size),
+                             int(packed[1]), self.num_classes, "the global batch")
+        return float(packed[0])
+
     def _check_across_ranks(self, labels):
         """Every rank learns every rank's batch size and first bad label, then all raise alike."""
-        bad = paddle.logical_or(labels < 0, labels >= self.num_classes)
-        n_bad = int(bad.astype("int64").sum())
-        first_bad = int(paddle.masked_select(labels, bad)[0]) if n_bad else 0
-        info = paddle.to_tensor([labels.shape[0], n_bad, first_bad], dtype="int64")
-        table = gather_concat(info, self.group).reshape([-1, 3]).numpy()
+        bad = paddle.logical_or(labels < 0, labels >= self.num_classes).astype("int64")
+        info = paddle.stack([paddle.full([], labels.shape[0], "int64"), bad.sum(),
+                             labels[paddle.argmax(bad)]])
+        table = gather_concat(info, self.group).reshape([-1, 3]).numpy()  # the one read
         for rank, (_, count, value) in enumerate(table):
             if count:
-                raise ValueError(f"label {value} on rank {rank} is outside [0, {self.num_classes}) "
-                                 f"({count} bad label(s) in that rank's batch)")
+                _raise_bad_label(value, rank, count, self.num_classes, "that rank's batch")
         sizes = table[:, 0].tolist()
         if len(set(sizes)) > 1:
             raise ValueError(f"local batch sizes differ across ranks: {sizes}; PartialFC needs the "
@@ -178,6 +200,11 @@ class PartialFC(nn.Layer):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}")
+
+
+def _raise_bad_label(value, rank, count, num_classes, where):
+    raise ValueError(f"label {value} on rank {rank} is outside [0, {num_classes}) "
+                     f"({count} bad label(s) in {where})")
 
 
 def _gather_rows(param, index):
