@@ -53,6 +53,7 @@ class _Block:
 
     def __init__(self, start, stop, local_target):
         self.start, self.stop = start, stop
+        self.buffer = f"logits[{stop - start}]"  # workspace name: one buffer per block width
         self.inside = paddle.logical_and(local_target >= start, local_target < stop)
         self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
         self.cos_t = None
@@ -73,20 +74,23 @@ def _blocks(local_target, num_local, chunk_size):
 
 
 def _block_logits(ctx, block, weight, bias):
-    """Logits of one block (margin applied to its targets); returns (logits, `[N]` target
+    """Logits of one block (margin applied to its targets), written into the workspace's
+    buffer for blocks of this width when it lends one; returns (logits, `[N]` target
     logits, meaningful for the rows whose target is inside the block)."""
     w = weight[block.start:block.stop]
     margin = ctx.margin
+    out = ctx.workspace.lend(block.buffer, [ctx.n, block.stop - block.start], ctx) \
+        if ctx.workspace is not None else None
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
-        logits = paddle.matmul(ctx.x_scaled, w, transpose_y=True)
+        logits = paddle.matmul(ctx.x_scaled, w, transpose_y=True, out=out)
         logits.multiply_(ctx.inv_w[block.start:block.stop])  # 1-D operand: [1, C] is ~6x slower
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
         target_logit = margin.target_logit(block.cos_t)
         block.put_(logits, target_logit, plain)
     else:
-        logits = paddle.matmul(ctx.features, w, transpose_y=True)
+        logits = paddle.matmul(ctx.features, w, transpose_y=True, out=out)
         if bias is not None:
             logits.add_(bias[block.start:block.stop])
         target_logit = block.take(logits)
@@ -142,14 +146,20 @@ def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w, out_w=None,
     return None, None
 
 
+def _give_back(ctx, block):
+    if ctx.workspace is not None:
+        ctx.workspace.give_back(block.buffer)
+
+
 class _ParallelSoftmaxCE(PyLayer):
     """Per-sample loss of the gathered batch; see `parallel_softmax_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size):
+    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace):
         n = features.shape[0]
         num_local = weight.shape[0]
         ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
+        ctx.n, ctx.workspace = n, workspace
         if margin.normalized:
             ctx.x_norm = _row_norm(features)
             ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
@@ -179,6 +189,7 @@ class _ParallelSoftmaxCE(PyLayer):
                 run_sum = run_sum * paddle.exp(run_max - new_max) + logits.sum(axis=1)
                 run_max = new_max
                 del logits
+                _give_back(ctx, block)
             row_max = all_reduce_(run_max.clone(), "max", group)
             sum_exp = all_reduce_(run_sum * paddle.exp(run_max - row_max), "sum", group)
             ctx.exp_logits = None
@@ -192,6 +203,9 @@ class _ParallelSoftmaxCE(PyLayer):
         ctx.weight, ctx.bias, ctx.blocks = weight, bias, blocks
         ctx.row_max, ctx.sum_exp = row_max, sum_exp
         ctx.grad_mask = (not features.stop_gradient, not weight.stop_gradient)
+        if ctx.exp_logits is not None and not any(ctx.grad_mask):
+            ctx.exp_logits = None  # no backward will come
+            _give_back(ctx, blocks[0])
         return -target_logp
 
     @staticmethod
@@ -205,6 +219,7 @@ class _ParallelSoftmaxCE(PyLayer):
         if buf is not None:  # dense: one block, its gradients are the whole gradients
             d_w, d_b = _block_backward(ctx, blocks[0], buf, weight, row_scale, d_x, need_w)
             del buf
+            _give_back(ctx, blocks[0])
         else:  # chunked: recompute each block's exp(logit − max), write its rows
             d_w = paddle.empty(weight.shape, dtype=weight.dtype) if need_w else None
             d_b = paddle.empty(bias.shape, dtype=bias.dtype) if ctx.has_bias else None
@@ -214,6 +229,7 @@ class _ParallelSoftmaxCE(PyLayer):
                 block_buf.exp_()
                 _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w, d_w, d_b)
                 del block_buf
+                _give_back(ctx, block)
         if not need_w:
             d_w = None
         if need_x and margin.normalized:
@@ -225,7 +241,7 @@ class _ParallelSoftmaxCE(PyLayer):
 
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
-                                   chunk_size=None):
+                                   chunk_size=None, workspace=None):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
@@ -238,6 +254,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
         group: process group of the class shards (default: the world).
         chunk_size: None for the dense path, else classes per block of the
             chunked path (memory `[N, chunk_size]` instead of `[N, C_local]`).
+        workspace: a `plsc.nn.Workspace` whose buffers the logits are written into
+            (kept from step to step), or None to allocate them each call.
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
@@ -247,4 +265,5 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
         local_target = local_target.astype("int64")
     if chunk_size is not None and int(chunk_size) >= weight.shape[0]:
         chunk_size = None
-    return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size)
+    return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size,
+                                    workspace)

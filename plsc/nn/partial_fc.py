@@ -6,6 +6,7 @@ from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
+from .workspace import Workspace
 
 __all__ = ["PartialFC"]
 
@@ -36,6 +37,11 @@ class PartialFC(nn.Layer):
             blocks of `logits_budget // (4·N)` classes; an int: always blocks of
             that many classes (the logits never exist whole); 0: always dense.
         logits_budget: bytes the logits may take with chunk_size="auto" (2 GiB).
+        reuse_buffers: keep the step's largest buffers (the logits or a block of them,
+            the gathered rows of Partial FC) in `head.workspace` and write the next
+            step into them, instead of allocating them anew (see `plsc.nn.workspace`).
+            They are alive at the step's peak anyway; between steps they stay
+            allocated (`head.workspace.nbytes`; `head.workspace.clear()` frees them).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: True: validate labels and batch sizes across ranks every step
@@ -48,7 +54,7 @@ class PartialFC(nn.Layer):
 
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
                  group=None, init_std=0.01, check_inputs=True, chunk_size="auto",
-                 logits_budget=2 << 30):
+                 logits_budget=2 << 30, reuse_buffers=True):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -69,6 +75,7 @@ class PartialFC(nn.Layer):
             raise ValueError(f"logits_budget must be a positive number of bytes, got {logits_budget!r}")
         self.chunk_size, self.logits_budget = chunk_size, int(logits_budget)
         self.group = group
+        self.workspace = Workspace(reuse_buffers)
         if check_inputs not in (True, False, "labels"):
             raise ValueError(f"check_inputs must be True, False or 'labels', got {check_inputs!r}")
         self.check_inputs = check_inputs
@@ -105,7 +112,7 @@ class PartialFC(nn.Layer):
         features = all_gather(embeddings.astype("float32"), self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
-                                                self.group, self.last_chunk_size)
+                                                self.group, self.last_chunk_size, self.workspace)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
@@ -130,14 +137,28 @@ class PartialFC(nn.Layer):
             self.sample_step.fill_(step + 1)
         # Gathered from a detached weight, so the gradient is [num_sample, d], never [num_local, d].
         self.sampled_index = index
-        self.sampled_weight = _gather_rows(self.weight, index)
-        self.sampled_bias = _gather_rows(self.bias, index) if self.bias is not None else None
+        self.sampled_weight = self._gather_rows("rows", self.weight, index)
+        self.sampled_bias = self._gather_rows("bias_rows", self.bias, index) \
+            if self.bias is not None else None
         self._last_target = target
         return self.sampled_weight, self.sampled_bias, target
 
+    def _gather_rows(self, name, param, index):
+        """Rows `index` of `param` as a new leaf (written into a lent buffer when there is one),
+        so the gradient is `[num_sample, ...]`, never the whole shard's."""
+        out = self.workspace.lend(name, [index.shape[0]] + list(param.shape[1:]), self, param.dtype)
+        rows = paddle.index_select(param.detach(), index, out=out)
+        rows.stop_gradient = param.stop_gradient
+        return rows
+
     def release_sampled_rows(self):
         """Drop the last step's gathered rows and their gradients (the optimizer applied them)."""
+        for rows in (self.sampled_weight, self.sampled_bias):
+            if rows is not None:
+                rows.grad = None  # a lent buffer is a leaf again next step: no stale gradient
         self.sampled_weight = self.sampled_bias = None
+        self.workspace.give_back("rows")
+        self.workspace.give_back("bias_rows")
 
     @property
     def num_sample(self):
@@ -205,9 +226,3 @@ class PartialFC(nn.Layer):
 def _raise_bad_label(value, rank, count, num_classes, where):
     raise ValueError(f"label {value} on rank {rank} is outside [0, {num_classes}) "
                      f"({count} bad label(s) in {where})")
-
-
-def _gather_rows(param, index):
-    rows = paddle.gather(param.detach(), index)
-    rows.stop_gradient = param.stop_gradient
-    return rows

@@ -69,23 +69,23 @@ def _draw_seed(seed, step, rank):
 def _candidates(num_local, count, spare):
     """A random set of classes holding `count` of them almost surely, plus `spare` free slots.
 
-    Returns `(positions, keys, slots)`: `positions` 1-based, sorted (float64; entries
-    beyond `num_local` are padding), `keys` i.i.d. in (0, 1] (padding: 2), both of
-    length `slots + spare`; the last `spare` entries are the caller's to fill.
+    Returns `(positions, keys, slots)`: `positions` 1-based, sorted (int64; entries
+    beyond `num_local` are padding), `keys` i.i.d. in [0, 1) (padding: 2, float64), both
+    of length `slots + spare`; the last `spare` entries are the caller's to fill.
     """
     mean = count + _SIGMAS * math.sqrt(count) + _SIGMAS ** 2
     p = mean / num_local
     slots = int(math.ceil(mean + _SIGMAS * math.sqrt(mean) + _SIGMAS ** 2))
     if p >= 1.0 or slots >= num_local:  # every class is a candidate
         slots = num_local
-        return (paddle.arange(1, slots + spare + 1, dtype="float64"),
+        return (paddle.arange(1, slots + spare + 1, dtype="int64"),
                 paddle.rand([slots + spare], dtype="float64"), slots)
     scaled = paddle.empty([slots + spare], dtype="float64").exponential_(1.0)
     scaled = paddle.scale(scaled, -1.0 / math.log1p(-p))  # E / λ
     gaps = paddle.ceil(scaled)  # geometric(p)
     keys = gaps - scaled
-    positions = paddle.cumsum(gaps)
-    keys = paddle.where(positions <= num_local, keys, paddle.full([], 2.0, "float64"))
+    positions = paddle.cumsum(gaps.astype("int64"))
+    keys.masked_fill_(positions > num_local, 2.0)
     return positions, keys, slots
 
 
@@ -119,27 +119,29 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
         positions, keys, slots = _candidates(num_local, count, n)
     # Positives among the candidates get key -1; the others ("extras") take the spare
     # slots with key -1 and are merged in below.
-    at = paddle.searchsorted(positions[:slots], labels.astype("float64"))  # first slot >= label
+    at = paddle.searchsorted(positions, labels)  # first slot >= label
     at_c = paddle.clip(at, max=slots - 1)
-    hit = paddle.logical_and(first, paddle.gather(positions, at_c) == labels.astype("float64"))
-    minus_one = paddle.full([], -1.0, "float64")
-    keys.put_along_axis_(at_c, paddle.where(hit, minus_one, keys.gather(at_c)), 0, reduce="amin")
+    hit = paddle.logical_and(first, paddle.gather(positions, at_c) == labels)
+    minus_one, two = paddle.full([], -1.0, "float64"), paddle.full([], 2.0, "float64")
+    keys.put_along_axis_(at_c, paddle.where(hit, minus_one, two), 0, reduce="amin")
     extra = paddle.logical_and(first, paddle.logical_not(hit))
-    keys[slots:] = paddle.where(extra, minus_one, paddle.full([], 2.0, "float64"))
+    keys[slots:] = paddle.where(extra, minus_one, two)
     keep = keys <= paddle.kthvalue(keys, count)[0]
-    keep_c, keep_e = keep[:slots].astype("int64"), keep[slots:].astype("int64")
+    keep_e = keep[slots:].astype("int64")
+    keep[slots:] = False  # from here on `keep` marks kept candidates only
+    keep_c = keep.astype("int64")
     # Sorted rank of each kept item = kept candidates before it + kept extras before it.
-    extras_at = paddle.zeros([slots], "int64").put_along_axis_(
-        at_c, paddle.where(at < slots, keep_e, paddle.zeros_like(keep_e)), 0, reduce="add")
+    zero = paddle.zeros_like(keep_e)
+    extras_at = paddle.zeros_like(keep_c).put_along_axis_(
+        at_c, paddle.where(at < slots, keep_e, zero), 0, reduce="add")
     rank_c = paddle.cumsum(keep_c + extras_at) - keep_c
-    cands_upto = paddle.cumsum(keep_c)  # kept candidates in slots <= i
-    cands_before = paddle.gather(cands_upto, at_c) - paddle.where(
-        at < slots, paddle.gather(keep_c, at_c), paddle.zeros_like(at))
+    cands_before = paddle.gather(paddle.cumsum(keep_c), at_c) - paddle.where(
+        at < slots, paddle.gather(keep_c, at_c), zero)
     rank_e = paddle.cumsum(keep_e) - keep_e + cands_before
-    dump = paddle.full([], count, "int64")  # dropped items land in a slot cut off below
+    # Dropped items land in slot `count`, cut off below.
     index = paddle.zeros([count + 1], "int64")
-    index.scatter_(paddle.where(keep_c > 0, rank_c, dump), positions[:slots].astype("int64"))
-    index.scatter_(paddle.where(keep_e > 0, rank_e, dump), labels)
+    index.scatter_(rank_c.masked_fill_(paddle.logical_not(keep), count), positions)
+    index.scatter_(rank_e.masked_fill_(keep_e == 0, count), labels)
     index = index[:count] - 1
     found = paddle.searchsorted(index, paddle.clip(local_target, min=0))
     return index, paddle.where(owned, found, paddle.full([], -1, "int64"))
