@@ -89,3 +89,21 @@ def test_lent_buffer_returns_when_its_owner_is_gone():
     assert ws.lend("x", [5, 3], Owner()).shape == [5, 3]  # a new shape replaces the buffer
     assert ws.nbytes == 5 * 3 * 4
     assert Workspace(enabled=False).lend("x", [2], Owner()) is None
+
+
+def test_gradient_accumulation_keeps_stashed_gradients():
+    """A stashed micro-batch gradient lives in the gathered rows' memory: the next
+    micro-batch must not be lent that memory (compared with a head that never reuses)."""
+    from plsc.optim import SparseMomentum
+    weights = []
+    for reuse in (False, True):
+        head = make_head(reuse, ratio=0.4)
+        opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
+        for i, (x, y) in enumerate(batches(4)):
+            head(paddle.to_tensor(x), paddle.to_tensor(y)).backward()
+            if i % 2 == 0:
+                opt.stash(head)
+            else:
+                opt.step(head)
+        weights.append(head.weight.numpy())
+    np.testing.assert_array_equal(weights[0], weights[1])

@@ -12,11 +12,13 @@
 A step is forward + backward (+ the head's SparseMomentum update with
 `--update`). Measured in the same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
-gradient, dense shapes; with sampling, on the sampled rows; each timed alone, the three
-times added), with sampling the time of the draw alone (`sample_time_s`) and, with
+gradient, dense shapes; with sampling, on the sampled rows; each repeated back to
+back, medians added): `gemm_time_s` with fresh outputs, as any op allocates them,
+`gemm_compute_s` into outputs allocated once (the arithmetic alone), with sampling the time of the draw alone (`sample_time_s`) and, with
 `--compare-dense`, the step of a head of exactly the sampled number of classes without
 sampling (`dense_ratio` = step / that step), and the peak memory the step
-allocates over what existed before it (weights, optimizer state), in units of
+allocates over what existed before it (weights, optimizer state; the head's
+workspace, kept between steps, counts as the step's and is also given alone), in units of
 one `[N, num_local]` float32 buffer (N = global batch). `peak_extra_buffers`
 leaves out the gradients the step returns (they outlive it and any head needs
 them); `peak_total_buffers` counts everything allocated during the step.
@@ -95,7 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-dense", action="store_true",
                    help="also time a head of exactly the sampled number of classes without "
                         "sampling (dense_step_time_s, dense_ratio)")
-    p.add_argument("--steps", type=int, default=3, help="timed repetitions, median reported (default 3)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed rounds (each runs the step and every reference once), medians "
+                        "reported (default 3)")
     p.add_argument("--capacity", action="store_true",
                    help="only run one step (forward, backward, SparseMomentum update) and report "
                         "its memory: for finding the largest class count that fits")
@@ -132,26 +136,18 @@ def bench_ratio(args, ratio, rank, world, chunk):
     meter.reset_peak()
     step()
     sync()
-    peak = meter.peak() - base
+    # The head's workspace (buffers kept between steps, see plsc.nn.workspace) belongs to the
+    # step: it exists before the measured step only because the warm-up step made it.
+    workspace = head.workspace.nbytes
+    peak = meter.peak() - base + workspace
     retained = meter.current() - base
     clear()
-    step_time = timed(lambda: (clear(), step()), args.steps)
-
-    # The three GEMMs alone, same shapes: logits, embedding grad, weight grad.
-    feats = paddle.randn([n, d])
-    w = paddle.randn([head.num_sample, d])
-    logits = paddle.matmul(feats, w, transpose_y=True)
-    gemms = [lambda: paddle.matmul(feats, w, transpose_y=True),
-             lambda: paddle.matmul(logits, w),
-             lambda: paddle.matmul(logits, feats, transpose_x=True)]
-    gemm_time = sum(timed(g, args.steps) for g in gemms)
-    del feats, w, logits
-
-    extra = {}
+    # The step (and the dense head, and the draw) timed in rounds, each round running every
+    # one once, so that a drift of the machine's speed hits all alike; medians reported.
+    runs = {"step": lambda: (clear(), step())}
     if ratio < 1.0:  # the draw alone, on this step's labels
         target = head.partition.shard_labels(pd.gather_concat(y), rank)
-        extra["sample_time_s"] = round(timed(lambda: sample_centres(
-            target, head.num_local, ratio, args.seed, 0, rank), args.steps), 4)
+        runs["sample"] = lambda: sample_centres(target, head.num_local, ratio, args.seed, 0, rank)
     if args.compare_dense:  # a head of exactly the sampled number of classes, no sampling
         dense = PartialFC(d, head.num_sample * world, MARGINS[args.margin](), chunk_size=chunk)
         dense_y = paddle.to_tensor(rng.randint(0, head.num_sample * world, b).astype("int64"))
@@ -161,20 +157,49 @@ def bench_ratio(args, ratio, rank, world, chunk):
             dense.weight.grad = None
             dense(x, dense_y).backward()
         dense_step()
-        dense_time = timed(dense_step, args.steps)
-        extra.update(dense_step_time_s=round(dense_time, 4),
-                     dense_ratio=round(step_time / dense_time, 3))
+        runs["dense_step"] = dense_step
+    times = {key: [] for key in runs}
+    for _ in range(args.steps):
+        for key, fn in runs.items():
+            times[key].append(timed(fn, 1))
+    t = {key: statistics.median(v) for key, v in times.items()}
+    step_time = t["step"]
+    if args.compare_dense:
         del dense
+    del runs
+
+    # The three GEMMs alone, same shapes (logits, dx, dW), each repeated back to back:
+    # with fresh outputs (as any op allocates them), and into outputs allocated once
+    # (the arithmetic alone, without the first touch of fresh memory).
+    feats = paddle.randn([n, d])
+    w = paddle.randn([head.num_sample, d])
+    logits = paddle.matmul(feats, w, transpose_y=True)
+    outs = [paddle.ones_like(logits), paddle.ones_like(feats), paddle.ones_like(w)]
+    gemms = [(lambda o: paddle.matmul(feats, w, transpose_y=True, out=o)),
+             (lambda o: paddle.matmul(logits, w, out=o)),
+             (lambda o: paddle.matmul(logits, feats, transpose_x=True, out=o))]
+    gemm_time = sum(timed(lambda: g(None), args.steps) for g in gemms)
+    gemm_compute = sum(timed(lambda: g(o), args.steps) for g, o in zip(gemms, outs))
+    del feats, w, logits, outs
+
+    extra = {}
+    if "sample" in t:
+        extra["sample_time_s"] = round(t["sample"], 4)
+    if "dense_step" in t:
+        extra.update(dense_step_time_s=round(t["dense_step"], 4),
+                     dense_ratio=round(step_time / t["dense_step"], 3))
 
     buffer_bytes = n * head.num_local * 4
-    return {**extra, 
+    return {**extra,
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
         "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
         "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
         "num_sample": head.num_sample, "update": bool(args.update),
         "step_time_s": round(step_time, 4), "gemm_time_s": round(gemm_time, 4),
-        "time_ratio": round(step_time / gemm_time, 3),
+        "time_ratio": round(step_time / gemm_time, 3), "gemm_compute_s": round(gemm_compute, 4),
+        "compute_ratio": round(step_time / gemm_compute, 3),
         "buffer_bytes": buffer_bytes, "peak_bytes": int(peak), "grad_bytes": int(retained),
+        "workspace_bytes": int(workspace),
         "peak_extra_buffers": round((peak - retained) / buffer_bytes, 3),
         "peak_total_buffers": round(peak / buffer_bytes, 3),
     }
@@ -210,6 +235,7 @@ def capacity(args, ratio, rank, world, chunk):
     sync()
     step_peak, state = meter.peak(), meter.current()
     per = head.num_local
+    workspace = head.workspace.nbytes  # kept between steps (counted in `state`)
     return {"bench": "capacity", "rank": rank, "world_size": world, "num_classes": args.num_classes,
             "num_local": per, "global_batch": b * world, "embedding_size": d,
             "sample_ratio": ratio, "chunk_size": chunk, "completed": True,
@@ -217,6 +243,7 @@ def capacity(args, ratio, rank, world, chunk):
             "init_peak_bytes_per_class": round(init_peak / per, 1),
             "step_peak_bytes_per_class": round(step_peak / per, 1),
             "state_bytes_per_class": round(state / per, 1),
+            "workspace_bytes_per_class": round(workspace / per, 1),
             "rss_peak_bytes": rss_peak_bytes()}
 
 

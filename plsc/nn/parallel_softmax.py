@@ -24,7 +24,7 @@ from ..distributed import all_reduce_
 __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
-_ROW_CHUNK = 1024  # rows per step of the in-place weight-gradient correction (cache-sized)
+_SLAB_BYTES = 2 << 20  # temporaries of the in-place weight-gradient correction (cache-sized)
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM in the chunked path
 
 
@@ -40,8 +40,9 @@ def _row_dot(a, b):
 def _subtract_scaled_rows_(out, rows_of, coef):
     """out -= coef[:, None] * rows_of, in place, a slab of rows at a time."""
     coef = coef.unsqueeze(1)
-    for i in range(0, out.shape[0], _ROW_CHUNK):
-        j = i + _ROW_CHUNK
+    step = max(1, _SLAB_BYTES // (4 * out.shape[1]))
+    for i in range(0, out.shape[0], step):
+        j = i + step
         out[i:j].subtract_(rows_of[i:j] * coef[i:j])
 
 
@@ -155,11 +156,12 @@ class _ParallelSoftmaxCE(PyLayer):
     """Per-sample loss of the gathered batch; see `parallel_softmax_cross_entropy`."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace):
+    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace,
+                grad_into_weight):
         n = features.shape[0]
         num_local = weight.shape[0]
         ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
-        ctx.n, ctx.workspace = n, workspace
+        ctx.n, ctx.workspace, ctx.grad_into_weight = n, workspace, grad_into_weight
         if margin.normalized:
             ctx.x_norm = _row_norm(features)
             ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
@@ -214,19 +216,23 @@ class _ParallelSoftmaxCE(PyLayer):
         row_scale = (grad / ctx.sum_exp).unsqueeze(1)
         need_x, need_w = ctx.grad_mask
         d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype=weight.dtype) if need_x else None
-        d_w = d_b = None
+        into_weight = need_w and ctx.grad_into_weight
         buf, ctx.exp_logits = ctx.exp_logits, None
-        if buf is not None:  # dense: one block, its gradients are the whole gradients
+        if buf is not None and not into_weight:  # dense: one block, whole gradients at once
             d_w, d_b = _block_backward(ctx, blocks[0], buf, weight, row_scale, d_x, need_w)
             del buf
             _give_back(ctx, blocks[0])
-        else:  # chunked: recompute each block's exp(logit − max), write its rows
-            d_w = paddle.empty(weight.shape, dtype=weight.dtype) if need_w else None
+        else:  # block by block (recomputing the logits the forward dropped), rows in slabs
+            d_w = (weight if into_weight else paddle.empty(weight.shape, dtype=weight.dtype)) \
+                if need_w else None
             d_b = paddle.empty(bias.shape, dtype=bias.dtype) if ctx.has_bias else None
             for block in blocks:
-                block_buf, _ = _block_logits(ctx, block, weight, bias)
-                block_buf.subtract_(ctx.row_max.unsqueeze(1))
-                block_buf.exp_()
+                if buf is None:
+                    block_buf, _ = _block_logits(ctx, block, weight, bias)
+                    block_buf.subtract_(ctx.row_max.unsqueeze(1))
+                    block_buf.exp_()
+                else:
+                    block_buf, buf = buf, None
                 _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w, d_w, d_b)
                 del block_buf
                 _give_back(ctx, block)
@@ -241,7 +247,7 @@ class _ParallelSoftmaxCE(PyLayer):
 
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
-                                   chunk_size=None, workspace=None):
+                                   chunk_size=None, workspace=None, grad_into_weight=False):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
@@ -256,6 +262,10 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
             chunked path (memory `[N, chunk_size]` instead of `[N, C_local]`).
         workspace: a `plsc.nn.Workspace` whose buffers the logits are written into
             (kept from step to step), or None to allocate them each call.
+        grad_into_weight: `weight` is a scratch copy (Partial FC's gathered rows): the
+            backward writes the weight gradient over it, slab by slab as each slab's rows
+            are last used, and returns it as the gradient, so no second `[C_local, d]`
+            array exists. Its values are gone after the backward.
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
@@ -266,4 +276,4 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     if chunk_size is not None and int(chunk_size) >= weight.shape[0]:
         chunk_size = None
     return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size,
-                                    workspace)
+                                    workspace, grad_into_weight)

@@ -27,7 +27,8 @@ class PartialFC(nn.Layer):
             is a positive of the global batch plus uniformly drawn negatives, up to
             `max(int(sample_ratio * num_local), #positives)` per rank. Gradients then
             exist only for those rows, in `head.sampled_weight.grad` (and
-            `head.sampled_bias.grad`), and `plsc.optim.SparseMomentum` /
+            `head.sampled_bias.grad`; the weight's gradient is written over the gathered
+            rows, whose values are gone after the backward), and `plsc.optim.SparseMomentum` /
             `SparseAdamW` apply them to `head.weight` (a plain Paddle optimizer
             would see no gradient on `head.weight`).
         seed: seed of the sampling draw, which depends on (seed, step, rank);
@@ -112,7 +113,8 @@ class PartialFC(nn.Layer):
         features = all_gather(embeddings.astype("float32"), self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
-                                                self.group, self.last_chunk_size, self.workspace)
+                                                self.group, self.last_chunk_size, self.workspace,
+                                                grad_into_weight=weight is self.sampled_weight)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
@@ -151,14 +153,16 @@ class PartialFC(nn.Layer):
         rows.stop_gradient = param.stop_gradient
         return rows
 
-    def release_sampled_rows(self):
-        """Drop the last step's gathered rows and their gradients (the optimizer applied them)."""
-        for rows in (self.sampled_weight, self.sampled_bias):
-            if rows is not None:
-                rows.grad = None  # a lent buffer is a leaf again next step: no stale gradient
+    def release_sampled_rows(self, gradients_kept=False):
+        """Drop the last step's gathered rows and their gradients (the optimizer applied them).
+        `gradients_kept`: the caller keeps the gradients (gradient accumulation), so their
+        memory (the weight's is the gathered rows' own) is not lent to the next step."""
+        # Each step's rows are a new leaf over the lent buffer, so no gradient carries over;
+        # do not clear `.grad` here: it shares the buffer's storage and clearing it frees that.
         self.sampled_weight = self.sampled_bias = None
-        self.workspace.give_back("rows")
-        self.workspace.give_back("bias_rows")
+        if not gradients_kept:
+            self.workspace.give_back("rows")
+            self.workspace.give_back("bias_rows")
 
     @property
     def num_sample(self):

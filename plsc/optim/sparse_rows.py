@@ -37,7 +37,7 @@ class SparseRowOptimizer:
         for name, _, index, rows in _head_rows(head):
             if index is not None and rows is not None and rows.grad is not None:
                 self._stash.setdefault(name, []).append((index, rows.grad))
-        head.release_sampled_rows()
+        head.release_sampled_rows(gradients_kept=True)
 
     def step(self, head, grad_scale=1.0):
         """Apply the gradients of the head's last backward (times `grad_scale`, e.g. the
