@@ -42,5 +42,7 @@ class LossScaler:
 
 
 def grads_finite(tensors):
-    """Whether every tensor is free of inf and NaN (this rank)."""
-    return all(bool(paddle.isfinite(t).all()) for t in tensors)
+    """A 0-d bool tensor: every tensor is free of inf and NaN (this rank). Nothing is read
+    back to the host."""
+    flags = [paddle.isfinite(t).all() for t in tensors]
+    return paddle.stack(flags).all() if flags else paddle.to_tensor(True)

@@ -155,10 +155,10 @@ class Trainer:
         applied = True
         inv_scale = 1.0 / self.scaler.scale  # the scale these gradients carry
         if self.scaler.enabled:
-            finite = grads_finite([p.grad for p in params if p.grad is not None]) and \
-                self.head_opt.all_gradients_finite(self.head)
-            flag = pd.all_reduce_(paddle.to_tensor([0.0 if finite else 1.0]), "max")
-            applied = self.scaler.update(flag.item() == 0.0)
+            finite = paddle.logical_and(grads_finite([p.grad for p in params if p.grad is not None]),
+                                        self.head_opt.all_gradients_finite(self.head))
+            flag = pd.all_reduce_(paddle.logical_not(finite).astype("float32").reshape([1]), "max")
+            applied = self.scaler.update(flag.item() == 0.0)  # the one read of the check
         if applied:
             if inv_scale != 1.0:
                 with paddle.no_grad():

@@ -87,10 +87,11 @@ class SparseRowOptimizer:
             yield name, param, unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
 
     def all_gradients_finite(self, head):
-        """Whether every gradient the next `step` would apply is finite (this rank); the
-        stashed parts are checked as they are, without merging them."""
-        return all(bool(paddle.isfinite(g).all())
-                   for _, _, parts in self._pending(head) for _, g in parts)
+        """A 0-d bool tensor: every gradient the next `step` would apply is finite (this
+        rank); the stashed parts are checked as they are, without merging them. Nothing is
+        read back to the host."""
+        flags = [paddle.isfinite(g).all() for _, _, parts in self._pending(head) for _, g in parts]
+        return paddle.stack(flags).all() if flags else paddle.to_tensor(True)
 
     def _state_for(self, name, param):
         if name not in self._state:
