@@ -1,0 +1,170 @@
+"""Rounding float32 rows into 16-bit storage: to nearest even, or stochastically.
+
+`round_to(x, "bfloat16")` stores each value as its lower or upper 16-bit neighbour
+`lo <= x <= hi`, the upper with probability `(x - lo) / (hi - lo)`, so the stored
+value equals x in expectation and small updates survive on average. The random
+bits are a pure function of (seed, stream, step, rank, row, column): how the
+caller splits the rows into chunks does not change them, and a resumed run draws
+what the uninterrupted one would have drawn.
+
+Method.
+- bfloat16 is the top half of the float32 pattern: add 16 random bits to the
+  pattern read as int32, keep the top 16 bits. The sign is a separate bit, so
+  this rounds the magnitude up with the right probability for negative values
+  too; inf and the sign of zero stay, values above the largest bfloat16 go to inf
+  with the probability of their distance to 2^128, NaN is stored as a quiet NaN.
+- float16 is `floor(x / ulp + u) * ulp` with `ulp` the float16 spacing at x
+  (2^(e - 10) for x in [2^e, 2^(e+1)), at least 2^-24 for subnormals, capped at
+  32 so that overflow gives inf) and `u` 13 random bits in [0, 1). Exact for
+  |x| >= 2^-14 (the normal float16 range); below, x's bits beyond 2^-13 of an ulp
+  are rounded first, so `|E[stored] - x| < 2^-37`. Zeros are stored as +0.
+- The bits of element (i, j) are `a_i XOR b_j`, `a` hashed from the row's global
+  index and `b` from the column (splitmix64 in int64 tensor ops, keyed by seed,
+  stream, step and rank): uniform and pairwise independent (not 4-wise: the bits
+  of a 2x2 block XOR to 0), so rounding errors are uncorrelated, at the cost of
+  one broadcast per block.
+
+Everything is tensor ops on x's device; nothing is read back to the host.
+"""
+import sys
+
+import paddle
+
+__all__ = ["round_to"]
+
+if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
+    raise ImportError("plsc.optim.rounding assumes a little-endian host")
+
+_M64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_COLUMN = 1 << 62  # column j is hashed as 2^62 + j, apart from every row index
+_QUIET_NAN = 0x7FC00000
+_CONSTANTS = {}
+
+
+def _mix64(z):
+    """splitmix64's finaliser on a Python int (exact 64-bit arithmetic)."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    return z ^ (z >> 31)
+
+
+def _key(seed, stream, step, rank):
+    k = 0
+    for v in (seed, stream, step, rank):
+        k = _mix64((k + _GOLDEN) ^ (int(v) & _M64))
+    return k
+
+
+def _signed(v):
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _constants(place):
+    """0-d int64 tensors on `place`. A Python int in an int64 op would pass through a float
+    and lose bits above 2^53; a tensor operand multiplies and adds modulo 2^64."""
+    key = str(place)
+    if key not in _CONSTANTS:
+        c = lambda v: paddle.to_tensor(_signed(v), dtype="int64", place=place)  # noqa: E731
+        _CONSTANTS[key] = {"golden": c(_GOLDEN), "mix1": c(_MIX1), "mix2": c(_MIX2),
+                           30: c(30), 27: c(27), 31: c(31), "column": c(_COLUMN)}
+    return _CONSTANTS[key]
+
+
+def _hash(v, key, c):
+    """splitmix64(v·golden + key), elementwise on an int64 tensor (wrapping int64 ops,
+    logical right shifts)."""
+    shr = lambda z, s: paddle.bitwise_right_shift(z, c[s], is_arithmetic=False)  # noqa: E731
+    z = v * c["golden"] + paddle.to_tensor(_signed(key), dtype="int64", place=v.place)
+    z = paddle.bitwise_xor(z, shr(z, 30)) * c["mix1"]
+    z = paddle.bitwise_xor(z, shr(z, 27)) * c["mix2"]
+    return paddle.bitwise_xor(z, shr(z, 31))
+
+
+def _random_bits(rows, m, key, bits, place, shift=0, base=0):
+    """`[r, m]` int32: `bits` uniform random bits at bit `shift` (row bits XOR column bits),
+    OR `base`."""
+    c = _constants(place)
+    r = rows.shape[0]
+    cols = paddle.arange(m, dtype="int64").to(place) + c["column"]
+    h = _hash(paddle.concat([rows.astype("int64"), cols]), key, c)
+    # Tensor operands throughout: a Python int would pass through a float.
+    top = paddle.to_tensor(64 - bits, dtype="int64", place=place)
+    h = paddle.bitwise_right_shift(h, top, is_arithmetic=False)
+    h = paddle.bitwise_left_shift(h, paddle.to_tensor(shift, dtype="int64", place=place))
+    a = paddle.bitwise_or(h[:r], paddle.to_tensor(base, dtype="int64", place=place))
+    a = a.astype("int32").reshape([r, 1])
+    # expand copies (it is no view), so the XOR below may work in place; it broadcasts a [m]
+    # operand, which Paddle's CPU kernels run several times faster than a [1, m] one.
+    return paddle.expand(a, [r, m]).bitwise_xor_(h[r:].astype("int32"))
+
+
+def _bfloat16_stochastic(x, noise):
+    bits = noise.add_(x.view("int32"))
+    high = bits.view("int16").reshape(x.shape + [2])[..., 1].contiguous()  # little-endian
+    # Only a NaN can carry out of its exponent (int32 wrap-around): store a quiet NaN.
+    return high.masked_fill_(paddle.isnan(x), _QUIET_NAN >> 16).view("bfloat16")
+
+
+def _float16_stochastic(x, noise):
+    ulp = _float16_ulp(x)
+    u = noise.view("float32").scale_(1.0, bias=-1.0)  # [1, 2) -> [0, 1) in steps of 2^-13
+    # x + u·ulp = ulp·(x/ulp + u) rounded alike (ulp is a power of two), so this is
+    # floor(x/ulp + u)·ulp, computed in one buffer.
+    t = u.multiply_(ulp).add_(x).divide_(ulp)
+    return t.floor_().multiply_(ulp).astype("float16")
+
+
+def _float16_ulp(x):
+    """float16's spacing at each value of x: 2^(e - 10) for |x| in [2^e, 2^(e+1)), at least
+    2^-24 (subnormals), at most 32 (the spacing at 65504; larger values overflow to inf)."""
+    exponent = paddle.expand(paddle.to_tensor(0x7F800000, dtype="int32", place=x.place)
+                             .reshape([1, 1]), x.shape)
+    power = exponent.bitwise_and_(x.view("int32")).view("float32")  # 2^e; 0 below normal
+    return power.clip_(2.0 ** -14, 2.0 ** 15).scale_(2.0 ** -10)
+
+
+def _name(dtype):
+    name = str(dtype).replace("paddle.", "")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return name
+
+
+def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, stream=0):
+    """float32 `x: [r, ...]` stored as `dtype` (float32: x itself).
+
+    Args:
+        mode: "stochastic" (unbiased: the upper neighbour with probability
+            (x - lo) / (hi - lo)) or "nearest" (to nearest even, like `astype`).
+        seed, step, rank, stream: what the random bits depend on besides the
+            position; give each array its own stream.
+        rows: int64 `[r]` global indices of x's rows (None: 0..r-1). Bits depend
+            on them, not on where a row sits in x.
+    """
+    name = _name(dtype)
+    if x.dtype != paddle.float32:
+        raise TypeError(f"round_to expects float32 values, got {x.dtype}")
+    if mode not in ("stochastic", "nearest"):
+        raise ValueError(f"mode must be 'stochastic' or 'nearest', got {mode!r}")
+    if name == "float32":
+        return x
+    if x.size == 0:
+        return x.astype(name)
+    if mode == "nearest":
+        if name == "float16":
+            # Paddle 3.3's CPU cast returns garbage for |x| in (2^-89, 2^-77). Adding and
+            # subtracting 2^-52 sends |x| < 2^-76 to 0 and keeps |x| >= 2^-26; in between
+            # it stays below 2^-25, which rounds to 0 either way.
+            x = (x + 2.0 ** -52) - 2.0 ** -52
+        return x.astype(name)
+    r = x.shape[0]
+    m = x.size // r
+    rows = paddle.arange(r, dtype="int64").to(x.place) if rows is None else rows
+    key = _key(seed, stream, step, rank)
+    flat = x.reshape([r, m])
+    if name == "bfloat16":
+        out = _bfloat16_stochastic(flat, _random_bits(rows, m, key, 16, x.place))
+    else:  # 13 bits at the top of a float32 mantissa, exponent 0: a float in [1, 2)
+        out = _float16_stochastic(flat, _random_bits(rows, m, key, 13, x.place, 10, 0x3F800000))
+    return out.reshape(x.shape)
