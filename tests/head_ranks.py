@@ -256,6 +256,244 @@ def check_collectives():
     return ok if rank == 0 else None
 
 
+# ---- 16-bit storage and the fused optimizer update
+
+DTYPES = ("bfloat16", "float16")
+DTYPE_MARGINS = ("arcface", "cosface", "softmax")
+DTYPE_SHAPES = ((101, 1.0, 0), (101, 1.0, 7), (101, 0.5, 0), (101, 0.5, 7))  # (C, ratio, chunk)
+# Half of a 16-bit ulp relative to the value: a 16-bit gradient's rounding error.
+HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def dtype_cases():
+    """(dtype, margin name, num_classes, sample_ratio, chunk_size) of the 16-bit head cases."""
+    return [(dt, m, c, r, k) for dt in DTYPES for m in DTYPE_MARGINS for c, r, k in DTYPE_SHAPES]
+
+
+def dtype_case_name(dtype, margin_name, num_classes, ratio, chunk):
+    return f"{dtype}-" + case_name(margin_name, num_classes, ratio, chunk)
+
+
+def rounded(a, dtype):
+    """float32 numpy values of `a` rounded to `dtype` by Paddle's cast (to nearest even)."""
+    import paddle
+    return paddle.to_tensor(a).astype(dtype).astype("float32").numpy()
+
+
+def _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x_local, y_local, **kw):
+    """A head storing `w` (and `b`; float32 values exactly representable in `dtype`) as
+    `dtype`, after one forward and backward on this rank's batch: (head, loss, x leaf)."""
+    import paddle
+    from plsc.nn import PartialFC
+    head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5, chunk_size=chunk,
+                     param_dtype=dtype, **kw)
+    lo, hi = head.class_start, head.class_start + head.num_local
+    head.weight.set_value(paddle.to_tensor(w[lo:hi]).astype(dtype))
+    if b is not None:
+        head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(dtype))
+    x = leaf(x_local)
+    loss = head(x, paddle.to_tensor(y_local))
+    loss.backward()
+    return head, loss, x
+
+
+def check_dtype_vs_float32(margin, num_classes, ratio, chunk, dtype):
+    """A 16-bit head against the float32 head holding the same (rounded) values: loss,
+    embedding gradient and Partial FC's float32 sampled-row gradients within 1e-5; the dense
+    16-bit weight gradient within half a 16-bit ulp; and the 16-bit head against the float64
+    dense oracle on the rounded weights (restricted to the sampled classes)."""
+    import paddle
+    from oracles import compare, make_case, rel_err
+    from plsc.distributed import gather_concat, get_rank, get_world_size
+
+    rank, k = get_rank(), get_world_size()
+    x, y, w, b = make_case(seed=num_classes * 11 + k + 1, n=k * B, d=D,
+                           num_classes=num_classes, margin=margin)
+    w, b = rounded(w, dtype), (rounded(b, dtype) if b is not None else None)
+    mine = slice(rank * B, (rank + 1) * B)
+    h16, loss16, x16 = _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x[mine], y[mine])
+    h32, loss32, x32 = _run_head(margin, num_classes, ratio, chunk, "float32", w, b, x[mine],
+                                 y[mine])
+    sampled = ratio < 1.0
+    shard = h16.partition.shard_size
+    lo = h16.class_start
+    flags = [h16.weight.dtype == getattr(paddle, dtype),
+             b is None or h16.bias.dtype == getattr(paddle, dtype),
+             x16.grad.dtype == paddle.float32]
+    if sampled:
+        flags += [bool(paddle.equal_all(h16.sampled_index, h32.sampled_index)),
+                  h16.sampled_weight.grad.dtype == paddle.float32]
+        w16, w32 = h16.sampled_weight, h32.sampled_weight
+        b16, b32 = h16.sampled_bias, h32.sampled_bias
+    else:
+        w16, w32, b16, b32 = h16.weight, h32.weight, h16.bias, h32.bias
+    g = lambda t: gather_rows(t.grad.astype("float32"), pad_to=shard)  # noqa: E731
+    dw16, dw32 = g(w16), g(w32)
+    db16, db32 = (g(b16), g(b32)) if b is not None else (None, None)
+    losses = gather_rows(paddle.to_tensor([float(loss16), float(loss32)]).reshape([1, 2]))
+    dx16, dx32 = gather_rows(x16.grad), gather_rows(x32.grad)
+    flags_all = gather_concat(paddle.to_tensor([int(all(flags))], dtype="int64")).numpy()
+    used = gather_rows(h16.sampled_index + lo, pad_to=shard) if sampled else np.arange(num_classes)
+    if rank != 0:
+        return None
+    grad_tol = 1e-5 if sampled else HALF_ULP[dtype] + 1e-5  # dense: Paddle casts it to 16 bits
+    errs = {
+        "dtypes_and_sampling_ok_on_all_ranks": (float(len(flags_all) - flags_all.sum()), 0.0),
+        "loss_vs_float32": (rel_err(losses[:, 0], losses[:, 1]), 1e-5),
+        "loss_same_on_all_ranks": (float(np.ptp(losses[:, 0])), 0.0),
+        "dx_vs_float32": (rel_err(dx16, dx32), 1e-5),
+        "dw_vs_float32": (rel_err(dw16, dw32), grad_tol),
+    }
+    if b is not None:
+        errs["db_vs_float32"] = (rel_err(db16, db32), grad_tol)
+    remapped = np.searchsorted(used, y)
+    assert np.array_equal(used[remapped], y), "a positive was not sampled"
+    got = {"loss": float(losses[0, 0]), "dx": dx16, "dw": dw16}
+    if b is not None:
+        got["db"] = db16
+    oracle = compare(got, x, remapped, w[used], margin, b[used] if b is not None else None)
+    for key, (err, allowed) in oracle.items():
+        errs["oracle_" + key] = (err, allowed if key in ("loss", "dx") else max(allowed, grad_tol))
+    return errs
+
+
+OPTIMIZERS = {
+    "momentum": ("SparseMomentum", dict(learning_rate=0.1, momentum=0.9, weight_decay=5e-4)),
+    "nesterov": ("SparseMomentum", dict(learning_rate=0.1, momentum=0.9, weight_decay=5e-4,
+                                        use_nesterov=True)),
+    "adamw": ("SparseAdamW", dict(learning_rate=0.01, weight_decay=0.1)),
+}
+FUSED_STEPS = 3
+
+
+def fused_cases():
+    """(optimizer, margin name, num_classes, sample_ratio, chunk_size, storage dtype)."""
+    cases = [(opt, m, 101, r, k, "float32") for opt in ("momentum", "adamw")
+             for m in ("arcface", "softmax") for r in (1.0, 0.5) for k in (0, 7)]
+    cases += [("nesterov", "arcface", 101, 0.5, 7, "float32"),
+              ("nesterov", "softmax", 23, 1.0, 0, "float32")]
+    # 16-bit storage with Partial FC: the gathered rows' gradients are float32 either way.
+    cases += [("momentum", "softmax", 101, 0.5, 7, "bfloat16"),
+              ("adamw", "arcface", 101, 0.5, 0, "bfloat16"),
+              ("momentum", "arcface", 101, 0.5, 0, "float16")]
+    # Enough classes that the fused path's 4096-row gradient slabs split a block, while the
+    # separate path writes the block's gradient with one GEMM.
+    cases += [("momentum", "arcface", 10000, 1.0, 0, "float32"),
+              ("adamw", "softmax", 10000, 1.0, 6000, "float32"),
+              ("momentum", "cosface", 10000, 0.5, 0, "float32")]
+    return cases
+
+
+def fused_case_name(opt, margin_name, num_classes, ratio, chunk, dtype):
+    return f"fused-{opt}-{dtype}-" + case_name(margin_name, num_classes, ratio, chunk)
+
+
+def _bits(t):
+    """Raw bits of a tensor, for bit-for-bit comparison (NaN- and signed-zero-exact)."""
+    a = np.ascontiguousarray(np.asarray(t.numpy()))
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def _differ(a, b):
+    """Number of elements whose bits differ (shape or dtype mismatch: all of them, at least 1)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(1, a.size, b.size)
+    return int((a != b).sum())
+
+
+def check_fused_vs_separate(opt_name, margin, num_classes, ratio, chunk, dtype):
+    """`FUSED_STEPS` steps of the fused update (optimizer applied slab by slab inside the
+    backward) against `backward(); opt.step(head)` on a second head: loss, embedding gradient,
+    weight, bias and every optimizer state array bit for bit on every rank; and the fused
+    backward leaves no weight (or bias, or sampled-row) gradient.
+
+    Returns on rank 0 {key: [value on each rank]}: mismatching element counts per array,
+    `fused_left_a_gradient` (fused backwards that left one) and `rows_unchanged` (1 if the
+    steps did not change this rank's weight at all: a vacuous comparison)."""
+    import paddle
+    import plsc.optim
+    from oracles import make_case
+    from plsc.distributed import gather_concat, get_rank, get_world_size
+    from plsc.nn import PartialFC
+
+    rank, k = get_rank(), get_world_size()
+    _, _, w, b = make_case(seed=num_classes * 13 + k, n=k * B, d=D, num_classes=num_classes,
+                           margin=margin)
+    if dtype != "float32":
+        w, b = rounded(w, dtype), (rounded(b, dtype) if b is not None else None)
+    rng = np.random.RandomState(num_classes + 17 * k)
+    cls_name, kw = OPTIMIZERS[opt_name]
+    heads, opts = [], []
+    for _ in range(2):  # fused, separate
+        head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=9, chunk_size=chunk,
+                         param_dtype=dtype)
+        lo, hi = head.class_start, head.class_start + head.num_local
+        head.weight.set_value(paddle.to_tensor(w[lo:hi]).astype(dtype))
+        if b is not None:
+            head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(dtype))
+        heads.append(head)
+        opts.append(getattr(plsc.optim, cls_name)(seed=3, **kw))
+    fused, separate = heads
+    opt_f, opt_s = opts
+    start = _bits(fused.weight).copy()
+    counts = {}
+
+    def add(key, n):
+        counts[key] = counts.get(key, 0) + n
+
+    left_grad = 0
+    for _ in range(FUSED_STEPS):
+        xs = (rng.normal(0.0, 1.0, (k * B, D)) * 3.0).astype("float32")
+        ys = rng.randint(0, num_classes, k * B).astype("int64")
+        mine = slice(rank * B, (rank + 1) * B)
+        y_local = paddle.to_tensor(ys[mine])
+        fused.row_update = opt_f.fused_update(fused)
+        xf = leaf(xs[mine])
+        loss_f = fused(xf, y_local)
+        loss_f.backward()
+        grads = [fused.weight.grad, fused.bias.grad if b is not None else None]
+        if ratio < 1.0:
+            grads += [fused.sampled_weight.grad,
+                      fused.sampled_bias.grad if b is not None else None]
+        left_grad += int(any(gr is not None for gr in grads))
+        opt_f.end_fused_step(fused)
+        fused.row_update = None
+        x_s = leaf(xs[mine])
+        loss_s = separate(x_s, y_local)
+        loss_s.backward()
+        opt_s.step(separate)
+        add("loss", _differ(_bits(loss_f), _bits(loss_s)))
+        add("dx", _differ(_bits(xf.grad), _bits(x_s.grad)))
+    add("weight", _differ(_bits(fused.weight), _bits(separate.weight)))
+    if b is not None:
+        add("bias", _differ(_bits(fused.bias), _bits(separate.bias)))
+    state_f, state_s = opt_f.state_dict(), opt_s.state_dict()
+    expect = {"weight." + s for s in opt_s.state_names}
+    if b is not None:
+        expect |= {"bias." + s for s in opt_s.state_names}
+    add("state_arrays_missing", len(expect - set(state_s)) + len(set(state_f) ^ set(state_s)))
+    for key in sorted(expect):
+        if key in state_f and key in state_s:
+            add("state." + key, _differ(_bits(state_f[key]), _bits(state_s[key])))
+    for key in ("weight.steps", "bias.steps", "step_count"):
+        if key in state_f and key in state_s:
+            add("state." + key, _differ(_bits(state_f[key]), _bits(state_s[key])))
+    add("step_count", int(opt_f.step_count != opt_s.step_count or opt_f.step_count != FUSED_STEPS))
+    counts["fused_left_a_gradient"] = left_grad
+    counts["rows_unchanged"] = int(np.array_equal(_bits(fused.weight), start))
+    keys = sorted(counts)  # the same keys on every rank
+    table = gather_concat(paddle.to_tensor([counts[key] for key in keys], dtype="int64"))
+    table = table.numpy().reshape([k, len(keys)])
+    if rank != 0:
+        return None
+    return {key: table[:, i].tolist() for i, key in enumerate(keys)}
+
+
+def fused_failures(result):
+    """{key: counts per rank} of a `check_fused_vs_separate` report that are not all 0."""
+    return {key: counts for key, counts in result.items() if any(counts)}
+
+
 def run(out_path):
     import paddle
     import plsc.distributed as pd
@@ -266,6 +504,15 @@ def run(out_path):
     for name, margin, c, ratio, chunk in oracle_cases():
         cases.append((case_name(name, c, ratio, chunk),
                       lambda m=margin, c=c, r=ratio, k=chunk: check_against_oracles(m, c, r, k)))
+    ms = margins()
+    for dt, name, c, ratio, chunk in dtype_cases():
+        cases.append((dtype_case_name(dt, name, c, ratio, chunk),
+                      lambda m=ms[name], c=c, r=ratio, k=chunk, dt=dt:
+                      check_dtype_vs_float32(m, c, r, k, dt)))
+    for opt, name, c, ratio, chunk, dt in fused_cases():
+        cases.append((fused_case_name(opt, name, c, ratio, chunk, dt),
+                      lambda o=opt, m=ms[name], c=c, r=ratio, k=chunk, dt=dt:
+                      check_fused_vs_separate(o, m, c, r, k, dt)))
     for name, fn in cases:
         try:
             results[name] = fn()

@@ -15,22 +15,48 @@ one `[N, chunk_size]` block; the backward recomputes each block's logits,
 forms its gradient, accumulates the embedding gradient and writes that
 block's weight gradient. The collectives are the dense path's: one MAX, one
 SUM, the loss SUM (and the embedding-gradient reduce-scatter outside).
+
+Storage is not compute: the weight (and bias) may be stored in bfloat16 or float16. Each
+block of rows is upcast to float32 for its GEMMs (`_rows_f32`, the one place this happens;
+Paddle 3.3 has no 16-bit matmul on CPU) and every statistic (row max, sum of exponentials,
+target logit, log-probability) is float32.
+
+The weight gradient is produced a slab of `_WGRAD_SLAB` rows at a time and handed to a sink:
+written into a returned array, written over the weight (Partial FC's scratch rows), or given
+to `row_update`, which applies the optimizer to those rows at once, so that no weight
+gradient array exists at all.
 """
 import paddle
 from paddle.autograd import PyLayer
 
 from ..distributed import all_reduce_
+from ..numerics import sqrt_exact, to_float32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _SLAB_BYTES = 2 << 20  # temporaries of the in-place weight-gradient correction (cache-sized)
-_WGRAD_SLAB = 4096  # classes per weight-gradient GEMM in the chunked path
+_WGRAD_SLAB = 4096  # classes per weight-gradient GEMM (and per update of the fused path)
+_UPCAST_BYTES = 32 << 20  # float32 bytes of a 16-bit weight upcast at a time for the row norms
+
+
+def _rows_f32(t, start=0, stop=None):
+    """Rows [start, stop) of `t` as float32 (a view when `t` is float32, else an upcast copy)."""
+    return to_float32(t[start:stop] if (start, stop) != (0, None) else t)
+
+
+def _inv_row_norms(weight):
+    """1/|W_j| of every row, float32; a 16-bit weight is upcast a slab of rows at a time."""
+    if weight.dtype == paddle.float32:
+        return 1.0 / _row_norm(weight)
+    step = max(1, _UPCAST_BYTES // (4 * weight.shape[1]))
+    return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
+                          for i in range(0, weight.shape[0], step)])
 
 
 def _row_norm(x):
     """L2 norm of each row, floored at _NORM_EPS, without an `x`-sized temporary."""
-    return paddle.sqrt(paddle.einsum("ij,ij->i", x, x)).clip(min=_NORM_EPS)
+    return sqrt_exact(paddle.einsum("ij,ij->i", x, x)).clip(min=_NORM_EPS)
 
 
 def _row_dot(a, b):
@@ -74,11 +100,10 @@ def _blocks(local_target, num_local, chunk_size):
     return [_Block(s, min(s + step, num_local), local_target) for s in range(0, num_local, step)]
 
 
-def _block_logits(ctx, block, weight, bias):
-    """Logits of one block (margin applied to its targets), written into the workspace's
-    buffer for blocks of this width when it lends one; returns (logits, `[N]` target
-    logits, meaningful for the rows whose target is inside the block)."""
-    w = weight[block.start:block.stop]
+def _block_logits(ctx, block, w, bias):
+    """Logits of one block (`w`: its float32 rows; margin applied to its targets), written
+    into the workspace's buffer for blocks of this width when it lends one; returns (logits,
+    `[N]` target logits, meaningful for the rows whose target is inside the block)."""
     margin = ctx.margin
     out = ctx.workspace.lend(block.buffer, [ctx.n, block.stop - block.start], ctx) \
         if ctx.workspace is not None else None
@@ -93,20 +118,20 @@ def _block_logits(ctx, block, weight, bias):
     else:
         logits = paddle.matmul(ctx.features, w, transpose_y=True, out=out)
         if bias is not None:
-            logits.add_(bias[block.start:block.stop])
+            logits.add_(_rows_f32(bias, block.start, block.stop))
         target_logit = block.take(logits)
     return logits, target_logit
 
 
-def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w, out_w=None, out_b=None):
-    """Gradients from one block of E = exp(logit − max): adds the embedding part to
-    `d_x` and returns this block's (weight rows, bias rows) gradients, or writes them
-    into `out_w`/`out_b` (the chunked path) a slab of `_WGRAD_SLAB` classes at a time,
-    so that no `[chunk, d]` temporary exists. With S the row sum of E and r = g/S,
-    dL/dlogit = r·(E − S·onehot); r and the column factors are applied to the small
-    GEMM operands, so the GEMMs are the only passes over `buf`."""
+def _block_backward(ctx, block, buf, w, row_scale, d_x):
+    """Gradients from one block of E = exp(logit − max) (`w`: the block's float32 rows):
+    adds the embedding part to `d_x` and produces the block's weight (and bias) gradient
+    rows. With S the row sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r and the
+    column factors are applied to the small GEMM operands, so the GEMMs are the only passes
+    over `buf`. Where the weight gradient goes (`_weight_grad_rows`) is `ctx.d_w`'s rows,
+    written by the GEMM itself, or, a slab of `_WGRAD_SLAB` rows at a time (no `[chunk, d]`
+    temporary), `ctx.sink(lo, hi, weight_rows_grad, None)`."""
     margin = ctx.margin
-    w = weight[block.start:block.stop]
     old = block.take(buf)
     target = old - ctx.sum_exp
     if margin.normalized:
@@ -121,30 +146,40 @@ def _block_backward(ctx, block, buf, weight, row_scale, d_x, need_w, out_w=None,
             d_x.add_(paddle.matmul(buf, w) * scale)
         rhs = ctx.x_hat * scale
     else:
+        inv_w = None
         if d_x is not None:
             d_x.add_(paddle.matmul(buf, w) * row_scale)
         rhs = ctx.features * row_scale
+    if ctx.d_b is not None:  # the bias (plain softmax) has one gradient per class
+        paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
+                      out=ctx.d_b[block.start:block.stop])
+    if ctx.need_w:
+        _weight_grad_rows(ctx, block, buf, w, inv_w, rhs)
 
-    def weight_rows(lo, hi):
-        part = buf if (lo, hi) == (0, buf.shape[1]) else buf[:, lo:hi]
-        g_w = paddle.matmul(part, rhs, transpose_x=True) if need_w else None
-        if need_w and margin.normalized:  # dW_j = P_j − W_j (W_j·P_j) / |W_j|², P = dL/dŴ / |W|.
+
+def _weight_grad_rows(ctx, block, buf, w, inv_w, rhs):
+    """The block's weight gradient: P = bufᵀ·rhs, and for normalised logits the
+    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|). Into `ctx.d_w` the
+    GEMM writes the whole block at once; for `ctx.sink` it goes a slab at a time."""
+    width = buf.shape[1]
+    step = width if ctx.d_w is not None else _WGRAD_SLAB
+    for lo in range(0, width, step):
+        hi = min(lo + step, width)
+        part = buf if (lo, hi) == (0, width) else buf[:, lo:hi]
+        out = ctx.d_w[block.start + lo:block.start + hi] if ctx.d_w is not None else None
+        g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
+        if inv_w is not None:
             w_part, inv = w[lo:hi], inv_w[lo:hi]
             _subtract_scaled_rows_(g_w, w_part, _row_dot(w_part, g_w) * inv * inv)
-        g_b = (paddle.matmul(part, row_scale.reshape([-1]), transpose_x=True)
-               if ctx.has_bias else None)
-        return g_w, g_b
+        if ctx.d_w is None:
+            ctx.sink(block.start + lo, block.start + hi, g_w, None)
 
-    if out_w is None and out_b is None:
-        return weight_rows(0, buf.shape[1])
-    for lo in range(0, buf.shape[1], _WGRAD_SLAB):
-        hi = min(lo + _WGRAD_SLAB, buf.shape[1])
-        g_w, g_b = weight_rows(lo, hi)
-        if out_w is not None:
-            out_w[block.start + lo:block.start + hi] = g_w
-        if out_b is not None:
-            out_b[block.start + lo:block.start + hi] = g_b
-    return None, None
+
+def _over_weight(weight):
+    """A sink writing gradient rows over the rows of `weight` (a scratch copy)."""
+    def write(lo, hi, g_w, g_b):
+        weight[lo:hi] = g_w
+    return write
 
 
 def _give_back(ctx, block):
@@ -157,22 +192,23 @@ class _ParallelSoftmaxCE(PyLayer):
 
     @staticmethod
     def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace,
-                grad_into_weight):
+                grad_into_weight, row_update):
         n = features.shape[0]
         num_local = weight.shape[0]
         ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
-        ctx.n, ctx.workspace, ctx.grad_into_weight = n, workspace, grad_into_weight
+        ctx.n, ctx.workspace = n, workspace
+        ctx.grad_into_weight, ctx.row_update = grad_into_weight, row_update
         if margin.normalized:
             ctx.x_norm = _row_norm(features)
             ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
             ctx.x_scaled = ctx.x_hat * margin.scale
-            ctx.inv_w = 1.0 / _row_norm(weight)
+            ctx.inv_w = _inv_row_norms(weight)
         else:
             ctx.features = features
         blocks = _blocks(local_target, num_local, chunk_size)
 
         if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
-            logits, target_logit = _block_logits(ctx, blocks[0], weight, bias)
+            logits, target_logit = _block_logits(ctx, blocks[0], _rows_f32(weight), bias)
             row_max = all_reduce_(logits.max(axis=1), "max", group)
             logits.subtract_(row_max.unsqueeze(1))
             logits.exp_()
@@ -183,14 +219,15 @@ class _ParallelSoftmaxCE(PyLayer):
             run_sum = paddle.zeros([n], dtype=features.dtype)
             target_logit = paddle.zeros([n], dtype=features.dtype)
             for block in blocks:
-                logits, t = _block_logits(ctx, block, weight, bias)
+                w = _rows_f32(weight, block.start, block.stop)
+                logits, t = _block_logits(ctx, block, w, bias)
                 target_logit = paddle.where(block.inside, t, target_logit)
                 new_max = paddle.maximum(run_max, logits.max(axis=1))
                 logits.subtract_(new_max.unsqueeze(1))
                 logits.exp_()
                 run_sum = run_sum * paddle.exp(run_max - new_max) + logits.sum(axis=1)
                 run_max = new_max
-                del logits
+                del logits, w
                 _give_back(ctx, block)
             row_max = all_reduce_(run_max.clone(), "max", group)
             sum_exp = all_reduce_(run_sum * paddle.exp(run_max - row_max), "sum", group)
@@ -214,30 +251,36 @@ class _ParallelSoftmaxCE(PyLayer):
     def backward(ctx, grad):
         weight, bias, margin, blocks = ctx.weight, ctx.bias, ctx.margin, ctx.blocks
         row_scale = (grad / ctx.sum_exp).unsqueeze(1)
-        need_x, need_w = ctx.grad_mask
-        d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype=weight.dtype) if need_x else None
-        into_weight = need_w and ctx.grad_into_weight
+        need_x, ctx.need_w = ctx.grad_mask
+        d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype="float32") if need_x else None
+        # Where the gradients go: the bias's into an array; the weight's into an array the
+        # backward returns, over Partial FC's scratch rows, or into the optimizer's update.
+        ctx.d_b = paddle.empty(bias.shape, dtype="float32") if ctx.has_bias else None
+        ctx.d_w, ctx.sink = None, None
+        if ctx.row_update is not None:  # no weight gradient array at all
+            ctx.sink = lambda lo, hi, g_w, _: ctx.row_update(lo, hi, g_w, None)
+        elif ctx.need_w and ctx.grad_into_weight:
+            ctx.sink = _over_weight(weight)
+        elif ctx.need_w:
+            ctx.d_w = paddle.empty(weight.shape, dtype="float32")
         buf, ctx.exp_logits = ctx.exp_logits, None
-        if buf is not None and not into_weight:  # dense: one block, whole gradients at once
-            d_w, d_b = _block_backward(ctx, blocks[0], buf, weight, row_scale, d_x, need_w)
-            del buf
-            _give_back(ctx, blocks[0])
-        else:  # block by block (recomputing the logits the forward dropped), rows in slabs
-            d_w = (weight if into_weight else paddle.empty(weight.shape, dtype=weight.dtype)) \
-                if need_w else None
-            d_b = paddle.empty(bias.shape, dtype=bias.dtype) if ctx.has_bias else None
-            for block in blocks:
-                if buf is None:
-                    block_buf, _ = _block_logits(ctx, block, weight, bias)
-                    block_buf.subtract_(ctx.row_max.unsqueeze(1))
-                    block_buf.exp_()
-                else:
-                    block_buf, buf = buf, None
-                _block_backward(ctx, block, block_buf, weight, row_scale, d_x, need_w, d_w, d_b)
-                del block_buf
-                _give_back(ctx, block)
-        if not need_w:
-            d_w = None
+        for block in blocks:  # recomputing the logits the forward dropped (chunked path)
+            w = _rows_f32(weight, block.start, block.stop)
+            if buf is None:
+                block_buf, _ = _block_logits(ctx, block, w, bias)
+                block_buf.subtract_(ctx.row_max.unsqueeze(1))
+                block_buf.exp_()
+            else:
+                block_buf, buf = buf, None
+            _block_backward(ctx, block, block_buf, w, row_scale, d_x)
+            del block_buf, w
+            _give_back(ctx, block)
+        d_w = weight if ctx.sink is not None and ctx.row_update is None else ctx.d_w
+        d_b = ctx.d_b
+        if ctx.row_update is not None and d_b is not None:  # the bias's update, at once
+            ctx.row_update(0, d_b.shape[0], None, d_b)
+            d_b = None
+        ctx.d_w = ctx.d_b = ctx.sink = None
         if need_x and margin.normalized:
             x_hat = ctx.x_hat
             d_x = (d_x - x_hat * _row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
@@ -247,12 +290,13 @@ class _ParallelSoftmaxCE(PyLayer):
 
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
-                                   chunk_size=None, workspace=None, grad_into_weight=False):
+                                   chunk_size=None, workspace=None, grad_into_weight=False,
+                                   row_update=None):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
         features: `[N, d]` float32, the gathered global batch (same on every rank).
-        weight: `[C_local, d]`, this rank's class centres.
+        weight: `[C_local, d]`, this rank's class centres (float32, bfloat16 or float16).
         bias: `[C_local]` or None (used only by the plain `Softmax` margin).
         local_target: `[N]` int64, the label's index into `weight` where this
             rank owns it, -1 elsewhere (see `ClassPartition.shard_labels`).
@@ -266,14 +310,20 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
             backward writes the weight gradient over it, slab by slab as each slab's rows
             are last used, and returns it as the gradient, so no second `[C_local, d]`
             array exists. Its values are gone after the backward.
+        row_update: None, or `row_update(lo, hi, weight_grad, bias_grad)`, called in the
+            backward with the float32 gradient of rows [lo, hi) of `weight` (and `bias`)
+            as soon as it exists and after those rows were last read: it applies the
+            optimizer to them (see `plsc.optim.SparseRowOptimizer.fused_update`). No
+            weight or bias gradient is returned then.
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
-    must be summed over ranks (the backward of an all-gather does that).
+    must be summed over ranks (the backward of an all-gather does that). A 16-bit
+    weight's returned gradient is cast by Paddle to the weight's dtype.
     """
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")
     if chunk_size is not None and int(chunk_size) >= weight.shape[0]:
         chunk_size = None
     return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size,
-                                    workspace, grad_into_weight)
+                                    workspace, grad_into_weight, row_update)

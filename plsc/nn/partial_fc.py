@@ -1,12 +1,16 @@
 """PartialFC: the class-sharded classification head."""
+import numpy as np
 import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
+from ..numerics import STORAGE_DTYPES, cast_nearest, to_float32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
 from .workspace import Workspace
+
+_UPCAST_ROWS_BYTES = 32 << 20  # float32 bytes of 16-bit rows upcast (or drawn) at a time
 
 __all__ = ["PartialFC"]
 
@@ -43,6 +47,9 @@ class PartialFC(nn.Layer):
             step into them, instead of allocating them anew (see `plsc.nn.workspace`).
             They are alive at the step's peak anyway; between steps they stay
             allocated (`head.workspace.nbytes`; `head.workspace.clear()` frees them).
+        param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
+            or "float16". Every GEMM reads a block of rows upcast to float32 and every softmax
+            statistic is float32; only storage is 16-bit (half the bytes per class).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: True: validate labels and batch sizes across ranks every step
@@ -51,11 +58,15 @@ class PartialFC(nn.Layer):
             (batch sizes are the caller's promise, e.g. a drop_last sampler); labels
             outside [0, num_classes) are left out of the step and
             `head.loss_value(loss)` raises for them as it reads the loss. False: neither.
+
+    `head.row_update`: None, or a callable that the backward hands each slab of the step's
+    weight (and bias) gradient rows to, e.g. `SparseMomentum.fused_update(head)`: the
+    optimizer update then happens inside the backward and no weight gradient exists.
     """
 
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
                  group=None, init_std=0.01, check_inputs=True, chunk_size="auto",
-                 logits_budget=2 << 30, reuse_buffers=True):
+                 logits_budget=2 << 30, reuse_buffers=True, param_dtype="float32"):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -84,12 +95,15 @@ class PartialFC(nn.Layer):
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start = self.partition.class_start(self.rank)
         self.num_local = self.partition.num_local(self.rank)
-        self.weight = self.create_parameter(
-            [self.num_local, self.embedding_size], dtype="float32",
-            default_initializer=nn.initializer.Normal(0.0, init_std))
+        if param_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"param_dtype must be one of {', '.join(STORAGE_DTYPES)}, "
+                             f"got {param_dtype!r}")
+        self.param_dtype = param_dtype
+        self.weight = _normal_parameter(self, [self.num_local, self.embedding_size], init_std,
+                                        param_dtype)
         self.bias = None
         if not margin.normalized:
-            self.bias = self.create_parameter([self.num_local], dtype="float32", is_bias=True,
+            self.bias = self.create_parameter([self.num_local], dtype=param_dtype, is_bias=True,
                                               default_initializer=nn.initializer.Constant(0.0))
         # The sampling step counter lives on the host, so reading it never waits for a device.
         self.register_buffer("sample_step", paddle.zeros([], dtype="int64").cpu())
@@ -97,6 +111,7 @@ class PartialFC(nn.Layer):
         # The centres of the last step: indices into this rank's classes (None: all).
         self.sampled_index = self.sampled_weight = self.sampled_bias = None
         self._last_target = self._bad_labels = self._global_labels = None
+        self.row_update = None
 
     def forward(self, embeddings, labels):
         labels = self._check_local(embeddings, labels)
@@ -114,7 +129,8 @@ class PartialFC(nn.Layer):
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
                                                 self.group, self.last_chunk_size, self.workspace,
-                                                grad_into_weight=weight is self.sampled_weight)
+                                                grad_into_weight=weight is self.sampled_weight,
+                                                row_update=self.row_update)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
@@ -146,10 +162,22 @@ class PartialFC(nn.Layer):
         return self.sampled_weight, self.sampled_bias, target
 
     def _gather_rows(self, name, param, index):
-        """Rows `index` of `param` as a new leaf (written into a lent buffer when there is one),
-        so the gradient is `[num_sample, ...]`, never the whole shard's."""
-        out = self.workspace.lend(name, [index.shape[0]] + list(param.shape[1:]), self, param.dtype)
-        rows = paddle.index_select(param.detach(), index, out=out)
+        """Rows `index` of `param`, float32, as a new leaf (written into a lent buffer when
+        there is one), so the gradient is `[num_sample, ...]`, never the whole shard's. 16-bit
+        rows are gathered and upcast a slab at a time into the float32 rows."""
+        shape = [index.shape[0]] + list(param.shape[1:])
+        out = self.workspace.lend(name, shape, self, "float32")
+        source = param.detach()
+        if source.dtype == paddle.float32:
+            rows = paddle.index_select(source, index, out=out)
+        else:
+            rows = out.detach() if out is not None else paddle.empty(shape, dtype="float32")
+            step = max(1, _UPCAST_ROWS_BYTES // (4 * max(1, int(np.prod(shape[1:])))))
+            for lo in range(0, shape[0], step):
+                part = index[lo:lo + step]
+                # Paddle 3.3 has no float16 gather on CPU: move 16-bit values as int16.
+                part16 = paddle.gather(source.view("int16"), part).view(source.dtype)
+                rows[lo:lo + part.shape[0]] = to_float32(part16)
         rows.stop_gradient = param.stop_gradient
         return rows
 
@@ -225,6 +253,23 @@ class PartialFC(nn.Layer):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}")
+
+
+def _normal_parameter(layer, shape, std, dtype):
+    """A parameter of `dtype` drawn from N(0, std²): float32 draws made a slab of rows at a
+    time (the same numbers as one draw of the whole shape) and, for 16-bit storage, rounded to
+    nearest, so no whole float32 copy of a 16-bit parameter ever exists."""
+    init = nn.initializer.Normal(0.0, std)
+    if dtype == "float32":
+        return layer.create_parameter(shape, dtype="float32", default_initializer=init)
+    param = layer.create_parameter(shape, dtype=dtype,
+                                   default_initializer=nn.initializer.Constant(0.0))
+    step = max(1, _UPCAST_ROWS_BYTES // (4 * shape[1]))
+    with paddle.no_grad():
+        for lo in range(0, shape[0], step):
+            rows = min(step, shape[0] - lo)
+            param[lo:lo + rows] = cast_nearest(paddle.normal(0.0, std, [rows, shape[1]]), dtype)
+    return param
 
 
 def _raise_bad_label(value, rank, count, num_classes, where):

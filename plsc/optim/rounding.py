@@ -30,6 +30,8 @@ import sys
 
 import paddle
 
+from ..numerics import cast_nearest, dtype_name
+
 __all__ = ["round_to"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
@@ -124,13 +126,6 @@ def _float16_ulp(x):
     return power.clip_(2.0 ** -14, 2.0 ** 15).scale_(2.0 ** -10)
 
 
-def _name(dtype):
-    name = str(dtype).replace("paddle.", "")
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    return name
-
-
 def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, stream=0):
     """float32 `x: [r, ...]` stored as `dtype` (float32: x itself).
 
@@ -142,7 +137,7 @@ def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, str
         rows: int64 `[r]` global indices of x's rows (None: 0..r-1). Bits depend
             on them, not on where a row sits in x.
     """
-    name = _name(dtype)
+    name = dtype_name(dtype)
     if x.dtype != paddle.float32:
         raise TypeError(f"round_to expects float32 values, got {x.dtype}")
     if mode not in ("stochastic", "nearest"):
@@ -152,12 +147,7 @@ def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, str
     if x.size == 0:
         return x.astype(name)
     if mode == "nearest":
-        if name == "float16":
-            # Paddle 3.3's CPU cast returns garbage for |x| in (2^-89, 2^-77). Adding and
-            # subtracting 2^-52 sends |x| < 2^-76 to 0 and keeps |x| >= 2^-26; in between
-            # it stays below 2^-25, which rounds to 0 either way.
-            x = (x + 2.0 ** -52) - 2.0 ** -52
-        return x.astype(name)
+        return cast_nearest(x, name)
     r = x.shape[0]
     m = x.size // r
     rows = paddle.arange(r, dtype="int64").to(x.place) if rows is None else rows

@@ -18,10 +18,12 @@ step count, the head's rank and the row, so a resumed run is bit-identical).
 Gradients may come in any float dtype and are upcast. Float32 storage is
 neither rounded nor changed in any bit.
 """
+import math
 import zlib
 
 import paddle
 
+from ..numerics import sqrt_exact, to_float32
 from .rounding import round_to
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
@@ -72,20 +74,48 @@ class SparseRowOptimizer:
         inverse loss scale), plus any stashed ones, then release them."""
         lr = self.get_lr()
         for name, param, index, grad in self._gradients(head):
-            state = self._state_for(name, param)
-            with paddle.no_grad():
-                grad = _float32(grad)
-                if grad_scale != 1.0:
-                    grad = grad * grad_scale
-                for start in range(0, grad.shape[0], _CHUNK):
-                    stop = min(start + _CHUNK, grad.shape[0])
-                    rows = _Rows(self, name, head.rank, index, start, stop)
-                    self._update(param, state, rows, grad[start:stop], lr)
+            self._apply(name, param, head.rank, index, 0, grad, lr, grad_scale)
             if index is None:
                 param.grad = None  # frees it; clear_gradient(set_to_zero=False) does not (Paddle 3.3)
-        self.step_count += 1
         self._stash = {}
+        self.end_fused_step(head)
+
+    def fused_update(self, head, grad_scale=1.0):
+        """A `head.row_update` for the next backward: each slab of gradient rows the backward
+        produces is applied at once (with this step's learning rate), so no weight gradient
+        array exists. The result is `step`'s bit for bit; call `end_fused_step` after the
+        backward. Only for steps that are applied whatever happens later: no gradient
+        accumulation, no float16 loss-scale check that could skip the step."""
+        lr = self.get_lr()
+
+        def update(lo, hi, weight_grad, bias_grad):
+            for name, param, grad in (("weight", head.weight, weight_grad),
+                                      ("bias", head.bias, bias_grad)):
+                if grad is not None:
+                    self._apply(name, param, head.rank, head.sampled_index, lo, grad, lr,
+                                grad_scale)
+        return update
+
+    def end_fused_step(self, head):
+        """Close a step: advance the step count (the rounding bits depend on it), release the
+        head's gathered rows."""
+        self.step_count += 1
+        head.row_update = None  # it holds this step's learning rate
         head.release_sampled_rows()
+
+    def _apply(self, name, param, rank, index, lo, grad, lr, grad_scale):
+        """Update the step's rows lo .. lo + len(grad) of `param` (rows `index[lo:...]`, or
+        those rows themselves when `index` is None) and their state, a chunk at a time."""
+        state = self._state_for(name, param)
+        with paddle.no_grad():
+            grad = to_float32(grad)
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            hi = lo + grad.shape[0]
+            for start in range(lo, hi, _CHUNK):
+                stop = min(start + _CHUNK, hi)
+                rows = _Rows(self, name, rank, index, start, stop)
+                self._update(param, state, rows, grad[start - lo:stop - lo], lr)
 
     def discard(self, head):
         """Drop the pending gradients without applying them (a skipped step)."""
@@ -112,7 +142,7 @@ class SparseRowOptimizer:
                 continue
             index = paddle.concat([p[0] for p in parts])
             unique, inverse = paddle.unique(index, return_inverse=True)
-            grads = paddle.concat([_float32(p[1]) for p in parts])
+            grads = paddle.concat([to_float32(p[1]) for p in parts])
             summed = paddle.zeros([unique.shape[0]] + list(grads.shape[1:]), dtype=grads.dtype)
             yield name, param, unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
 
@@ -122,6 +152,13 @@ class SparseRowOptimizer:
         read back to the host."""
         flags = [paddle.isfinite(g).all() for _, _, parts in self._pending(head) for _, g in parts]
         return paddle.stack(flags).all() if flags else paddle.to_tensor(True)
+
+    def init_state(self, head):
+        """Create the state of the head's arrays (zeros, in their storage dtype) where missing,
+        and return `state_dict()`: a resume fills these tensors in place."""
+        for name, param, _, _ in _head_rows(head):
+            self._state_for(name, param)
+        return self.state_dict()
 
     def _state_for(self, name, param):
         if name not in self._state:
@@ -167,10 +204,6 @@ def _head_rows(head):
                head.sampled_bias if sampled else head.bias)
 
 
-def _float32(t):
-    return t if t.dtype == paddle.float32 else t.astype("float32")
-
-
 class _Rows:
     """A chunk of rows of the parameter `name` (`index[start:stop]`, or rows start..stop
     without an index): reads them from any array as float32 and writes float32 values back
@@ -188,7 +221,7 @@ class _Rows:
             rows = paddle.gather(t.view("int16"), self.index).view(t.dtype)
         else:
             rows = paddle.gather(t, self.index)
-        return _float32(rows)
+        return to_float32(rows)
 
     def write(self, t, value, key=""):
         """Store `value` (float32) in these rows of `t`, the array `key` of the parameter
@@ -259,11 +292,29 @@ class SparseAdamW(SparseRowOptimizer):
         rows.write(state["moment1"], m, "moment1")
         rows.write(state["moment2"], v, "moment2")
         rows.write(state["steps"], t, "steps")
-        # Bias corrections in float64: 1 - 0.999**t loses 4 digits in float32.
         shape = [-1] + [1] * (len(w.shape) - 1)
-        t64 = t.astype("float64")
-        c1 = (1.0 - paddle.pow(paddle.full_like(t64, self.beta1), t64)).astype(w.dtype).reshape(shape)
-        c2 = (1.0 - paddle.pow(paddle.full_like(t64, self.beta2), t64)).astype(w.dtype).reshape(shape)
+        c1 = _bias_correction(self.beta1, t, w.place).reshape(shape)
+        c2 = _bias_correction(self.beta2, t, w.place).reshape(shape)
         w = w * (1.0 - lr * self.weight_decay)
-        w = w - lr * (m / c1) / (paddle.sqrt(v / c2) + self.epsilon)
+        w = w - lr * (m / c1) / (sqrt_exact(v / c2) + self.epsilon)
         rows.write(param, w)
+
+
+_CORRECTIONS = {}
+
+
+def _bias_correction(beta, steps, place):
+    """float32 `1 - beta**t` for each row's step count t, looked up in a table computed in
+    float64 on the host (1 - 0.999**t loses 4 digits in float32; and a vectorised pow need
+    not round alike for every chunk length, which the fused update's bit-for-bit contract
+    needs). From the t where beta**t < 2^-25 on the value is 1.0 in float32; the table
+    stops there."""
+    key = (beta, str(place))
+    if key not in _CORRECTIONS:
+        cap = 1 if beta <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(beta))) + 1
+        table = [1.0 - beta ** t for t in range(cap + 1)]
+        _CORRECTIONS[key] = paddle.to_tensor(table, dtype="float64", place=place) \
+            .astype("float32")
+    table = _CORRECTIONS[key]
+    index = paddle.clip(steps, max=table.shape[0] - 1).astype("int64")
+    return paddle.gather(table, index)
