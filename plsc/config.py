@@ -67,6 +67,9 @@ SCHEMA = {
                          nullable=True),
         "logits_budget_mb": _k(NUM, 2048, "memory the head's logits may take per rank when "
                                "chunk_size is automatic"),
+        "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16 or "
+                          "float16 (GEMMs and softmax statistics stay float32)",
+                          choices=("float32", "bfloat16", "float16")),
     },
     "Data": {
         "dataset": _k(str, "recordio", "recordio (train.rec/.idx), folder, list or synthetic",
@@ -88,6 +91,14 @@ SCHEMA = {
         "betas": _k(list, [0.9, 0.999], "AdamW betas"),
         "grad_clip": _k(NUM, None, "global-norm clip of the backbone gradients", nullable=True),
         "accumulate_steps": _k(int, 1, "micro-batches per optimizer step"),
+        "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
+                               "the class centres (Loss.param_dtype)", nullable=True,
+                               choices=("float32", "bfloat16", "float16")),
+        "head_rounding": _k(str, "stochastic", "how 16-bit head arrays are written: stochastic "
+                            "(unbiased) or nearest", choices=("stochastic", "nearest")),
+        "fused_head_update": _k(bool, True, "update the head's rows inside its backward (no "
+                                "weight-gradient array) where that is exact: no gradient "
+                                "accumulation, no float16 loss scaling"),
     },
     "LRScheduler": {
         "name": _k(str, "poly", "poly, piecewise or cosine", choices=("poly", "piecewise", "cosine")),

@@ -20,6 +20,7 @@ import numpy as np
 
 from .config import ConfigError, SCHEMA, apply_overrides, load_config, validate
 from .models import MODELS, resolve_name
+from .numerics import STORAGE_DTYPES
 
 __all__ = ["Entry", "LOSS_TYPES"]
 
@@ -115,6 +116,27 @@ class Entry:
         if logits_budget_mb is not None:
             self._set("Loss", "logits_budget_mb", _positive_number("logits_budget_mb", logits_budget_mb))
         return self
+
+    def set_param_dtype(self, dtype, state_dtype=None, rounding=None):
+        """Storage of the class centres (and, `state_dtype`, of their optimizer state; None:
+        the centres' dtype): "float32", "bfloat16" or "float16". `rounding` of 16-bit writes:
+        "stochastic" (default) or "nearest"."""
+        for name, value in (("dtype", dtype), ("state_dtype", state_dtype)):
+            if value not in STORAGE_DTYPES and (name == "dtype" or value is not None):
+                raise ValueError(f"{name} must be one of {', '.join(STORAGE_DTYPES)}, got {value!r}")
+        if rounding is not None and rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        self._set("Loss", "param_dtype", dtype)
+        self._set("Optimizer", "head_state_dtype", state_dtype)
+        if rounding is not None:
+            self._set("Optimizer", "head_rounding", rounding)
+        return self
+
+    def set_fused_head_update(self, enable):
+        """Update the head inside its backward where exact (default True)."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"fused_head_update must be True or False, got {enable!r}")
+        return self._set("Optimizer", "fused_head_update", enable)
 
     def set_train_batch_size(self, size):
         return self._set("Data", "batch_size", _positive_int("train_batch_size", size))

@@ -1,13 +1,20 @@
 """Multi-rank engine cases, run in one spawned gloo group.
 
-    python tests/engine_ranks.py --nprocs K --mode invariant --data DATA --out OUT
-    python tests/engine_ranks.py --nprocs K --mode resume --data DATA --out OUT --checkpoint CKPT
+    python tests/engine_ranks.py --nprocs K --mode invariant --data DATA --out OUT [--dtype D]
+    python tests/engine_ranks.py --nprocs K --mode resume --data DATA --out OUT \
+        --resume TAG=DTYPE:CKPT [--resume TAG=DTYPE:CKPT ...]
 
 invariant: two optimizer steps on k ranks from fixed weights and a fixed global
-batch; rank 0 saves the resulting backbone and full classifier to OUT/result.npz,
+batch, with the class centres stored as `--dtype` (Loss.param_dtype, default float32);
+rank 0 saves the resulting backbone and full classifier to OUT/result.npz,
 and the trainer saves a checkpoint (OUT/run/checkpoints/...).
-resume: resume CKPT (written by any number of ranks) on k ranks; rank 0 saves
-the re-sharded classifier and optimizer rows, then two more steps run.
+resume: for each `--resume`, in turn in the same group, resume CKPT (written by any
+number of ranks, in any dtype) on k ranks with Loss.param_dtype DTYPE; rank 0 saves the
+re-sharded classifier and optimizer rows as resumed, then two more steps run from them
+(their losses and the classifier after them are saved too). Keys of OUT/result.npz are
+prefixed with "TAG.".
+
+Head arrays are saved as stored: float32 as float32, bfloat16 as its bits (uint16).
 """
 import argparse
 import os
@@ -36,35 +43,46 @@ def full_classifier(seed=2):
     return np.random.RandomState(seed).normal(0, 0.1, (CLASSES, 32)).astype("float32")
 
 
-def run_steps(trainer, rank, world):
-    """Set the head from the full classifier, then run the global batches split by rank."""
+def run_steps(trainer, rank, world, reset=True):
+    """Set the head from the full classifier (`reset`; rounded to nearest into a 16-bit
+    head), then run the global batches split by rank; returns the step losses."""
     import paddle
     head = trainer.head
-    head.weight.set_value(full_classifier()[head.class_start:head.class_start + head.num_local])
+    if reset:
+        rows = full_classifier()[head.class_start:head.class_start + head.num_local]
+        head.weight.set_value(paddle.to_tensor(rows).astype(head.weight.dtype))
     per = 6 // world
+    losses = []
     for images, labels in global_batches(world):
         sl = slice(rank * per, (rank + 1) * per)
-        trainer.train_step([(paddle.to_tensor(images[sl]), paddle.to_tensor(labels[sl]))])
+        losses.append(trainer.train_step([(paddle.to_tensor(images[sl]),
+                                           paddle.to_tensor(labels[sl]))]))
+    return losses
 
 
 def gather_head(trainer, name):
-    """A class-indexed array of the head (weight or optimizer state) from every rank."""
+    """A class-indexed array of the head (weight or optimizer state) from every rank, as
+    stored (bfloat16: its bits as uint16)."""
     import paddle
     from plsc.distributed import gather_concat
     head = trainer.head
-    if name == "weight":
-        local = head.weight.numpy()
-    else:
-        local = trainer.head_opt.state_dict()[name].numpy()
+    tensor = head.weight if name == "weight" else trainer.head_opt.state_dict()[name]
+    dtype = str(tensor.dtype).replace("paddle.", "")
+    local = tensor.astype("float32").numpy()  # exact; gloo gathers float32
     shard = head.partition.shard_size
     padded = np.zeros((shard,) + local.shape[1:], local.dtype)
     padded[:len(local)] = local
     rows = gather_concat(paddle.to_tensor(padded)).numpy()
     part = head.partition
-    return np.concatenate([rows[r * shard:r * shard + part.num_local(r)] for r in range(part.world_size)])
+    rows = np.concatenate([rows[r * shard:r * shard + part.num_local(r)]
+                           for r in range(part.world_size)])
+    if dtype == "bfloat16":
+        return (rows.view(np.uint32) >> 16).astype(np.uint16)
+    assert dtype == "float32", dtype
+    return rows
 
 
-def run(mode, data, out, checkpoint):
+def run(mode, data, out, dtype, resumes):
     import paddle
     from engine_common import config, make_backbone
     from plsc.distributed import get_rank, get_world_size, init
@@ -74,7 +92,7 @@ def run(mode, data, out, checkpoint):
     init()
     rank, world = get_rank(), get_world_size()
     if mode == "invariant":
-        cfg = config(data, os.path.join(out, "run"))
+        cfg = config(data, os.path.join(out, "run"), Loss={"param_dtype": dtype})
         trainer = Trainer(cfg, backbone=make_backbone(0))
         run_steps(trainer, rank, world)
         weight = gather_head(trainer, "weight")
@@ -83,17 +101,25 @@ def run(mode, data, out, checkpoint):
         if rank == 0:
             np.savez(os.path.join(out, "result.npz"), head=weight, velocity=velocity,
                      **{f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
-    else:
-        cfg = config(data, os.path.join(out, "run"), Global={"checkpoint": checkpoint})
+        return
+    results = {}
+    for spec in resumes:
+        tag, rest = spec.split("=", 1)
+        dtype, checkpoint = rest.split(":", 1)
+        cfg = config(data, os.path.join(out, f"run_{tag}"), Global={"checkpoint": checkpoint},
+                     Loss={"param_dtype": dtype})
         trainer = Trainer(cfg, backbone=make_backbone(0))
-        weight = gather_head(trainer, "weight")
-        velocity = gather_head(trainer, "weight.velocity")
-        backbone = {f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()}
-        step = trainer.step
-        run_steps(trainer, rank, world)  # training goes on after re-sharding
-        if rank == 0:
-            np.savez(os.path.join(out, "result.npz"), head=weight, velocity=velocity, step=step,
-                     num_local=trainer.head.num_local, **backbone)
+        result = {"head": gather_head(trainer, "weight"),
+                  "velocity": gather_head(trainer, "weight.velocity"),
+                  "step": trainer.step, "step_count": trainer.head_opt.step_count,
+                  "dtype": str(trainer.head.weight.dtype).replace("paddle.", ""),
+                  "num_local": trainer.head.num_local}
+        result.update({f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
+        result["losses"] = run_steps(trainer, rank, world, reset=False)  # training goes on
+        result["after"] = gather_head(trainer, "weight")
+        results.update({f"{tag}.{k}": v for k, v in result.items()})
+    if rank == 0:
+        np.savez(os.path.join(out, "result.npz"), **results)
 
 
 def main():
@@ -102,12 +128,17 @@ def main():
     p.add_argument("--mode", choices=("invariant", "resume"), required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--checkpoint")
+    p.add_argument("--dtype", default="float32", help="Loss.param_dtype of an invariant run")
+    p.add_argument("--resume", action="append", default=[], metavar="TAG=DTYPE:CKPT",
+                   help="resume mode: a checkpoint to resume into Loss.param_dtype DTYPE")
     a = p.parse_args()
+    if a.mode == "resume" and not a.resume:
+        p.error("--mode resume needs at least one --resume TAG=DTYPE:CKPT")
+    args = (a.mode, a.data, a.out, a.dtype, a.resume)
     if a.nprocs == 1:
-        return run(a.mode, a.data, a.out, a.checkpoint)
+        return run(*args)
     import paddle.distributed as dist
-    dist.spawn(run, args=(a.mode, a.data, a.out, a.checkpoint), nprocs=a.nprocs)
+    dist.spawn(run, args=args, nprocs=a.nprocs)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The engine on real gloo ranks: k ranks equal one process; resume on another world size."""
+import json
 import os
 import subprocess
 import sys
@@ -13,14 +14,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 _runs = {}
 
 
-def run_group(tmp_path_factory, key, nprocs, mode, checkpoint=None):
+def run_group(tmp_path_factory, key, nprocs, mode, *args):
+    """Run engine_ranks.py once per `key` (extra `args` passed on); (out dir, result.npz)."""
     if key not in _runs:
         data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
         out = str(tmp_path_factory.mktemp(key))
         cmd = [sys.executable, os.path.join(HERE, "engine_ranks.py"), "--nprocs", str(nprocs),
-               "--mode", mode, "--data", data, "--out", out]
-        if checkpoint:
-            cmd += ["--checkpoint", checkpoint]
+               "--mode", mode, "--data", data, "--out", out, *args]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out)
         except subprocess.TimeoutExpired as e:
@@ -29,6 +29,40 @@ def run_group(tmp_path_factory, key, nprocs, mode, checkpoint=None):
             pytest.fail(f"{key} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
         _runs[key] = (out, dict(np.load(os.path.join(out, "result.npz"))))
     return _runs[key]
+
+
+def bf16_bits_rne(x):
+    """numpy float32 -> bfloat16 bits (uint16), rounded to nearest even (finite x)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_bits_to_float32(bits):
+    """bfloat16 bits (uint16) -> float32 values (exact)."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def checkpoint_rows(ckpt, name, world_size):
+    """Head array `name` of every class as the checkpoint stores it (its per-rank .npy files)."""
+    return np.concatenate([np.load(os.path.join(ckpt, f"head_rank{r}", f"{name}.npy"))
+                           for r in range(world_size)])
+
+
+def two_rank_checkpoints(tmp_path_factory):
+    """(float32 run, its step-2 checkpoint, bfloat16 run, its step-2 checkpoint) on 2 ranks."""
+    out32, two32 = run_group(tmp_path_factory, "ranks2", 2, "invariant")
+    out16, two16 = run_group(tmp_path_factory, "ranks2_bf16", 2, "invariant", "--dtype", "bfloat16")
+    step2 = os.path.join("run", "checkpoints", "step_00000002")
+    return two32, os.path.join(out32, step2), two16, os.path.join(out16, step2)
+
+
+def resume_on_three(tmp_path_factory):
+    """One 3-rank group resuming, in turn: the float32 checkpoint as float32 and as bfloat16,
+    the bfloat16 checkpoint as bfloat16 and as float32."""
+    _, ck32, _, ck16 = two_rank_checkpoints(tmp_path_factory)
+    return run_group(tmp_path_factory, "resume3", 3, "resume",
+                     "--resume", f"f32=float32:{ck32}", "--resume", f"f32_to_bf16=bfloat16:{ck32}",
+                     "--resume", f"bf16=bfloat16:{ck16}", "--resume", f"bf16_to_f32=float32:{ck16}")[1]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -46,15 +80,63 @@ def test_k_ranks_equal_one_process(world_size, tmp_path_factory):
 def test_resume_on_three_ranks_reshards_the_head(tmp_path_factory):
     """A checkpoint written by 2 ranks, resumed on 3: every class row and its momentum land on
     the rank that now owns them, the backbone is restored, and training goes on."""
-    out2, two = run_group(tmp_path_factory, "ranks2", 2, "invariant")
-    ckpt = os.path.join(out2, "run", "checkpoints", "step_00000002")
-    _, three = run_group(tmp_path_factory, "resume3", 3, "resume", checkpoint=ckpt)
-    assert int(three["step"]) == 2 and int(three["num_local"]) == 8
-    np.testing.assert_array_equal(three["head"], two["head"])
-    np.testing.assert_array_equal(three["velocity"], two["velocity"])
-    for key in two:
-        if key.startswith("backbone."):
-            np.testing.assert_array_equal(three[key], two[key])
+    two, _, two16, _ = two_rank_checkpoints(tmp_path_factory)
+    three = resume_on_three(tmp_path_factory)
+    for tag, before in (("f32", two), ("bf16", two16)):  # the same dtype: the same bits
+        assert int(three[f"{tag}.step"]) == 2 and int(three[f"{tag}.num_local"]) == 8
+        assert three[f"{tag}.head"].dtype == before["head"].dtype
+        np.testing.assert_array_equal(three[f"{tag}.head"], before["head"])
+        np.testing.assert_array_equal(three[f"{tag}.velocity"], before["velocity"])
+        for key in before:
+            if key.startswith("backbone."):
+                np.testing.assert_array_equal(three[f"{tag}.{key}"], before[key])
+        assert np.isfinite(three[f"{tag}.losses"]).all()
+    assert int(three["bf16.step_count"]) == 2  # the rounding's step count goes on
+
+
+def test_bfloat16_checkpoint_resumes_on_three_ranks_in_float32(tmp_path_factory):
+    """A 2-rank bfloat16 run's checkpoint resumed on 3 ranks with float32 centres: every class
+    row and its momentum are the exact upcast of the checkpoint's bfloat16 bits."""
+    _, _, two16, ck16 = two_rank_checkpoints(tmp_path_factory)
+    three = resume_on_three(tmp_path_factory)
+    meta = json.load(open(os.path.join(ck16, "meta.json")))
+    assert meta["head_dtypes"]["weight"] == meta["head_dtypes"]["opt.weight.velocity"] == "bfloat16"
+    assert meta["head_opt_step_count"] == 2
+    for name, key in (("weight", "head"), ("opt.weight.velocity", "velocity")):
+        stored = checkpoint_rows(ck16, name, 2)
+        assert stored.dtype == np.uint16 and stored.shape[0] == 24
+        np.testing.assert_array_equal(stored, two16[key])  # the run's state, as it was
+        got = three[f"bf16_to_f32.{key}"]
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32),
+                                      bf16_bits_to_float32(stored).view(np.uint32))
+    assert str(three["bf16_to_f32.dtype"]) == "float32"
+    assert int(three["bf16_to_f32.step"]) == 2 and int(three["bf16_to_f32.step_count"]) == 2
+    assert np.isfinite(three["bf16_to_f32.losses"]).all()
+    assert np.isfinite(three["bf16_to_f32.after"]).all()
+    assert not np.array_equal(three["bf16_to_f32.after"], three["bf16_to_f32.head"])
+
+
+def test_float32_checkpoint_resumes_on_three_ranks_in_bfloat16(tmp_path_factory):
+    """A 2-rank float32 checkpoint resumed on 3 ranks with bfloat16 centres: every row and its
+    momentum are the float32 values rounded to nearest even (numpy oracle); training goes on."""
+    _, ck32, _, _ = two_rank_checkpoints(tmp_path_factory)
+    three = resume_on_three(tmp_path_factory)
+    for name, key in (("weight", "head"), ("opt.weight.velocity", "velocity")):
+        stored = checkpoint_rows(ck32, name, 2)
+        assert stored.dtype == np.float32 and stored.shape[0] == 24
+        expect = bf16_bits_rne(stored)
+        truncated = (stored.view(np.uint32) >> 16).astype(np.uint16)
+        assert (expect != truncated).any()  # the oracle tells nearest from truncation here
+        got = three[f"f32_to_bf16.{key}"]
+        assert got.dtype == np.uint16  # bfloat16 bits
+        np.testing.assert_array_equal(got, expect)
+    assert str(three["f32_to_bf16.dtype"]) == "bfloat16" and int(three["f32_to_bf16.step"]) == 2
+    losses = three["f32_to_bf16.losses"]
+    assert len(losses) == 2 and np.isfinite(losses).all()
+    after = bf16_bits_to_float32(three["f32_to_bf16.after"])
+    assert np.isfinite(after).all()
+    assert not np.array_equal(three["f32_to_bf16.after"], three["f32_to_bf16.head"])  # it trained
 
 
 def _free_port():
@@ -66,7 +148,6 @@ def _free_port():
 
 def test_two_node_launch_on_loopback(tmp_path_factory):
     """Two `paddle.distributed.launch --nnodes 2` processes, one rank each, train and agree."""
-    import json
     data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
     out = str(tmp_path_factory.mktemp("two_nodes"))
     port = _free_port()

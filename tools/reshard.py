@@ -6,6 +6,11 @@
 
 Training resumes on any number of ranks without this tool (it re-shards as it
 loads); use it to prepare a checkpoint once, or to move the classifier in and out.
+
+Head arrays keep their dtype (meta.json `head_dtypes`): re-sharding copies the stored
+bits. --export writes what plain numpy reads: a bfloat16 array as float32 (exact), a
+float16 or float32 array as stored. --import takes a float16/32/64 array and stores it
+in the checkpoint's dtype for that array (16 bits: rounded to nearest even).
 """
 import argparse
 import os
@@ -18,13 +23,17 @@ from plsc.engine.checkpoint import (export_classifier, import_classifier, read_m
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_XXXXXXXX)")
     p.add_argument("--world-size", type=int, help="re-shard the head for this many ranks")
-    p.add_argument("--export", metavar="NPY", help="write head array --array of all classes here")
+    p.add_argument("--export", metavar="NPY", help="write head array --array of all classes "
+                   "here (bfloat16 as float32, float16/float32 as stored)")
     p.add_argument("--array", default="weight",
                    help="head array to export: weight, bias, opt.weight.velocity, ... (default weight)")
-    p.add_argument("--import", dest="import_", metavar="NPY", help="classifier [C, d] to put in")
+    p.add_argument("--import", dest="import_", metavar="NPY",
+                   help="classifier [C, d] to put in (any float dtype; stored in the checkpoint's)")
     p.add_argument("--import-bias", metavar="NPY", help="bias [C] to put in (softmax heads)")
     p.add_argument("--output", help="new checkpoint folder (for --world-size and --import)")
     a = p.parse_args(argv)

@@ -96,7 +96,9 @@ def build_backbone_optimizer(cfg, params, lr):
 
 def build_head_optimizer(cfg, lr):
     o = cfg["Optimizer"]
+    common = dict(state_dtype=o["head_state_dtype"], rounding=o["head_rounding"],
+                  seed=cfg["Global"]["seed"])
     if o["name"] == "sgd":
-        return SparseMomentum(lr, momentum=o["momentum"], weight_decay=o["weight_decay"])
+        return SparseMomentum(lr, momentum=o["momentum"], weight_decay=o["weight_decay"], **common)
     beta1, beta2 = o["betas"]
-    return SparseAdamW(lr, beta1=beta1, beta2=beta2, weight_decay=o["weight_decay"])
+    return SparseAdamW(lr, beta1=beta1, beta2=beta2, weight_decay=o["weight_decay"], **common)

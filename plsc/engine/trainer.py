@@ -13,8 +13,8 @@ from ..optim.schedule import StepLR, make_lr_fn
 from .amp import LossScaler, grads_finite
 from .builders import (build_backbone, build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset, select_device)
-from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_head_rows, local_optimizer_state,
-                         portable_optimizer_state, restore_rng)
+from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_head_rows_into,
+                         local_optimizer_state, portable_optimizer_state, restore_rng)
 from .evaluator import VerificationEvaluator
 from .logger import TrainLogger
 
@@ -99,6 +99,7 @@ class Trainer:
                               sample_ratio=loss["sample_ratio"], seed=g["seed"],
                               chunk_size="auto" if loss["chunk_size"] is None else loss["chunk_size"],
                               logits_budget=int(loss["logits_budget_mb"] * (1 << 20)),
+                              param_dtype=loss["param_dtype"],
                               check_inputs="labels")  # the sampler makes equal batches
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
@@ -125,6 +126,14 @@ class Trainer:
             with open(os.path.join(self.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(dump_config(cfg))
 
+    @property
+    def fused_head_update(self):
+        """Whether the head's rows are updated inside its backward: only where that equals the
+        separate update, i.e. the step is applied whatever comes later (no accumulation, no
+        float16 loss-scale check that may skip it)."""
+        return (self.cfg["Optimizer"]["fused_head_update"] and self.accumulate == 1
+                and not self.scaler.enabled)
+
     def _lr_fn(self):
         o, s = self.cfg["Optimizer"], self.cfg["LRScheduler"]
         base = o["lr"] * (self.global_batch / o["base_batch_size"] if o["base_batch_size"] else 1.0)
@@ -144,13 +153,17 @@ class Trainer:
             images = self.dataset.transform.normalize(images)
         with paddle.amp.auto_cast(enable=amp["enable"], dtype=amp["dtype"], level="O1"):
             emb = self.backbone(images)
+        if self.fused_head_update:  # the head's rows are updated inside the backward
+            self.head.row_update = self.head_opt.fused_update(self.head)
         loss = self.head(emb, labels)
         (loss * (self.scaler.scale * loss_factor)).backward()
+        self.head.row_update = None
         return self.head.loss_value(loss)  # the step's one host read; raises for bad labels
 
     def optimizer_step(self):
         """Sum backbone gradients across ranks, check, unscale, clip, update both parts."""
         params = [p for p in self.backbone.parameters() if not p.stop_gradient]
+        fused = self.fused_head_update  # then the head's rows were updated in the backward
         sum_gradients(params)
         applied = True
         inv_scale = 1.0 / self.scaler.scale  # the scale these gradients carry
@@ -166,7 +179,10 @@ class Trainer:
                         if p.grad is not None:
                             p.grad.scale_(inv_scale)
             self.backbone_opt.step()
-            self.head_opt.step(self.head, grad_scale=inv_scale)
+            if fused:
+                self.head_opt.end_fused_step(self.head)
+            else:
+                self.head_opt.step(self.head, grad_scale=inv_scale)
         else:
             self.head_opt.discard(self.head)
         self.backbone_opt.clear_grad(set_to_zero=False)
@@ -196,8 +212,10 @@ class Trainer:
         """Train to `total_steps`, evaluating and checkpointing on the way; returns the history."""
         cfg = self.cfg
         self.log.info(f"plsc: {self.world} rank(s) on {self.device}, {len(self.dataset)} images, "
-                      f"{cfg['Loss']['num_classes']} classes ({self.head.num_local} on rank 0), global "
-                      f"batch {self.global_batch}, {self.total_steps} steps")
+                      f"{cfg['Loss']['num_classes']} classes ({self.head.num_local} on rank 0, "
+                      f"{self.head.param_dtype}), global batch {self.global_batch}, "
+                      f"{self.total_steps} steps, head update "
+                      f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
         self.backbone.train()
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
@@ -243,11 +261,13 @@ class Trainer:
 
     # ----------------------------------------------------------- checkpoints
     def _head_arrays(self):
-        arrays = {"weight": self.head.weight.numpy()}
+        """This rank's class-indexed arrays as tensors: the save streams them in slabs."""
+        arrays = {"weight": self.head.weight}
         if self.head.bias is not None:
-            arrays["bias"] = self.head.bias.numpy()
+            arrays["bias"] = self.head.bias
         for key, value in self.head_opt.state_dict().items():
-            arrays[f"opt.{key}"] = value.numpy()
+            if key != "step_count":  # a scalar: meta.json's head_opt_step_count
+                arrays[f"opt.{key}"] = value
         return arrays
 
     def save(self):
@@ -258,6 +278,9 @@ class Trainer:
                 "shard_size": head.partition.shard_size, "sample_step": int(head.sample_step),
                 "head_arrays": sorted(arrays), "model": self.cfg["Model"]["name"],
                 "config": json.loads(json.dumps(self.cfg))}
+        # The steps the head optimizer applied: its 16-bit rounding draws bits from it, so a
+        # resumed run (in any dtype) continues the uninterrupted run's sequence.
+        meta["head_opt_step_count"] = int(self.head_opt.step_count)
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
                          "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
@@ -275,16 +298,27 @@ class Trainer:
                                                                self.backbone))
         self.lr.set_state_dict(trainer_state["lr"])
         self.scaler.set_state_dict(trainer_state["scaler"])
-        rows = {name: load_head_rows(path, name, head.class_start, head.num_local)
-                for name in meta["head_arrays"]}
-        head.weight.set_value(rows.pop("weight"))
-        if head.bias is not None:
-            head.bias.set_value(rows.pop("bias"))
+        self._resume_head(path, meta)
         head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
-        self.head_opt.set_state_dict({k[len("opt."):]: v for k, v in rows.items()})
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = meta["batch_in_epoch"]
         if rng is not None:
             restore_rng(rng)
         self.log.info(f"resumed from {path} at step {self.step} (written by {meta['world_size']} "
                       f"rank(s), now {self.world})")
+
+    def _resume_head(self, path, meta):
+        """Fill this rank's head arrays and their optimizer state in place from checkpoint
+        `path`, in their dtypes (each converted slab by slab), on any world size."""
+        self.head_opt.init_state(self.head)  # zero state tensors to fill, in their dtypes
+        arrays = self._head_arrays()
+        stored = set(meta["head_arrays"])
+        missing = (set(arrays) - stored) & {"weight", "bias"}
+        unknown = stored - set(arrays)
+        if missing or unknown:
+            raise ConfigError(f"checkpoint {path} has head arrays {sorted(stored)}; this run's head "
+                              f"and {type(self.head_opt).__name__} keep {sorted(arrays)}")
+        for name in sorted(stored):  # optimizer state the checkpoint lacks stays zero
+            load_head_rows_into(path, name, self.head.class_start, arrays[name], meta)
+        if "head_opt_step_count" in meta:
+            self.head_opt.set_state_dict({"step_count": meta["head_opt_step_count"]})

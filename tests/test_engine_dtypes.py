@@ -1,0 +1,249 @@
+"""The trainer with 16-bit class centres (Loss.param_dtype) in one process: bit-exact resume
+and reproducibility with stochastic rounding, a skipped loss-scaled step that leaves the head
+and its optimizer state alone, the fused head update against the separate one, and the
+config/Entry surface of these settings."""
+import os
+
+import numpy as np
+import paddle
+import pytest
+import yaml
+from paddle import nn
+
+from engine_common import CLASSES, IMAGE, config, make_backbone, make_data
+from plsc.config import ConfigError, load_config
+from plsc.engine import Trainer
+from plsc.engine.amp import LossScaler
+from plsc.entry import Entry
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("synthetic")))
+
+
+def bits(t):
+    """A tensor's raw bits as an unsigned integer array (bfloat16's .numpy() is its uint16
+    bits already), so that comparisons are bit for bit (-0.0 != 0.0, NaN == NaN)."""
+    a = np.array(t.numpy())
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def head_bits(trainer):
+    """{name: bits} of the head's weight, bias and every optimizer state array, and the
+    optimizer's step count."""
+    out = {"weight": bits(trainer.head.weight)}
+    if trainer.head.bias is not None:
+        out["bias"] = bits(trainer.head.bias)
+    for key, value in trainer.head_opt.state_dict().items():
+        if key != "step_count":
+            out[f"opt.{key}"] = bits(value)
+    return out, trainer.head_opt.step_count
+
+
+def backbone_bits(trainer):
+    return {n: bits(p) for n, p in trainer.backbone.named_parameters()}
+
+
+def assert_same_bits(a, b):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def bf16_ulp(bits16):
+    """The spacing of bfloat16 at each value given by its bits (normal values)."""
+    exponent = (bits16.astype(np.int32) >> 7) & 0xFF
+    return np.ldexp(1.0, exponent - 127 - 7)
+
+
+# ------------------------------------------------------------------ 1. resume, seeds
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_bfloat16_resume_equals_uninterrupted(tmp_path, data_root, ratio):
+    """bfloat16 centres and momentum written with stochastic rounding: resuming at step 3
+    gives the uninterrupted run's losses, weights, every optimizer state array and step
+    count bit for bit (the rounding bits depend on the restored step count)."""
+    sections = dict(Loss={"sample_ratio": ratio, "param_dtype": "bfloat16"})
+    full = Trainer(config(data_root, str(tmp_path / "a"), **sections), backbone=make_backbone(0))
+    assert full.head_opt.rounding == "stochastic" and full.head_opt.state_dtype is None
+    history = full.train()
+    assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]
+    state = full.head_opt.state_dict()
+    assert full.head.weight.dtype == paddle.bfloat16
+    assert state["weight.velocity"].dtype == paddle.bfloat16
+    assert int(state["step_count"]) == 6
+    ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
+    # Another initial backbone: everything must come from the checkpoint.
+    resumed = Trainer(config(data_root, str(tmp_path / "b"), Global={"checkpoint": ckpt},
+                             **sections), backbone=make_backbone(1))
+    assert resumed.step == 3 and resumed.head_opt.step_count == 3
+    rest = resumed.train()
+    assert [s for s, _ in rest] == [4, 5, 6]
+    np.testing.assert_array_equal([v for _, v in rest], [v for _, v in history[3:]])
+    (got, got_count), (want, want_count) = head_bits(resumed), head_bits(full)
+    assert sorted(want) == ["opt.weight.velocity", "weight"]
+    assert want["weight"].dtype == want["opt.weight.velocity"].dtype == np.uint16
+    assert_same_bits(got, want)
+    assert got_count == want_count == 6
+    assert int(resumed.head_opt.state_dict()["step_count"]) == 6
+    assert_same_bits(backbone_bits(resumed), backbone_bits(full))
+
+
+def test_bfloat16_runs_are_reproducible_and_the_rounding_follows_the_seed(tmp_path, data_root):
+    """Two runs with one Global.seed are bit-identical; another Global.seed changes the bits.
+    The stochastic rounding's seed is Global.seed: one step from the same weights on the same
+    batch (sample_ratio 1, so nothing else draws from the seed) with another Global.seed
+    stores other bits, each value still one of the two bfloat16 neighbours of the same float32
+    result (the runs differ by at most one bfloat16 ulp), and the backbone alike."""
+    def trainer(name, seed=0, ratio=0.5):
+        t = Trainer(config(data_root, str(tmp_path / name), Global={"seed": seed, "max_steps": 2},
+                           Loss={"param_dtype": "bfloat16", "sample_ratio": ratio},
+                           Checkpoint={"interval": 100}), backbone=make_backbone(0))
+        assert t.head_opt.seed == seed
+        return t
+
+    a, b = trainer("a"), trainer("b")
+    ha, hb = a.train(), b.train()
+    assert [v for _, v in ha] == [v for _, v in hb]
+    assert_same_bits(head_bits(a)[0], head_bits(b)[0])
+    assert_same_bits(backbone_bits(a), backbone_bits(b))
+    c = trainer("c", seed=1)
+    c.train()
+    assert not np.array_equal(bits(c.head.weight), bits(a.head.weight))
+
+    rng = np.random.RandomState(0)
+    images = paddle.to_tensor(rng.normal(size=(4, 3, IMAGE, IMAGE)).astype("float32"))
+    labels = paddle.to_tensor(rng.randint(0, CLASSES, 4).astype("int64"))
+    one = [trainer("d0", 0, ratio=1.0), trainer("d1", 1, ratio=1.0)]
+    one[1].head.weight.set_value(one[0].head.weight)  # Global.seed also draws the centres
+    assert_same_bits({"w": bits(one[1].head.weight)}, {"w": bits(one[0].head.weight)})
+    for t in one:
+        t.train_step([(images, labels)])
+    w0, w1 = bits(one[0].head.weight), bits(one[1].head.weight)
+    assert (w0 != w1).any()
+    diff = np.abs(one[0].head.weight.astype("float32").numpy().astype(np.float64)
+                  - one[1].head.weight.astype("float32").numpy())
+    assert (diff <= np.maximum(bf16_ulp(w0), bf16_ulp(w1))).all()
+    assert_same_bits(backbone_bits(one[0]), backbone_bits(one[1]))
+
+
+# ------------------------------------------------- 3. a skipped loss-scaled step on CPU
+
+class PoisonableNet(nn.Layer):
+    """FlatNet whose embeddings' gradient becomes non-finite (x inf: inf, or NaN where it was
+    0) while `poison` is set, as float16 overflow would make it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = make_backbone(0)
+        self.poison = False
+
+    def forward(self, x):
+        emb = self.net(x)
+        if self.poison:
+            emb.register_hook(lambda g: g * float("inf"))
+        return emb
+
+
+@pytest.mark.parametrize("dtype,ratio,margin", [
+    ("float32", 1.0, "arcface"), ("bfloat16", 0.5, "arcface"),
+    ("float32", 0.5, "softmax"), ("bfloat16", 1.0, "softmax")])  # softmax: a bias too
+def test_non_finite_embedding_gradient_leaves_head_and_backbone_unchanged(
+        tmp_path, data_root, dtype, ratio, margin):
+    """Stands in for float16 AMP on a GPU with dynamic loss scaling, which the trainer refuses
+    on the CPU: the trainer's loss scaler is enabled after construction, and a hook makes the
+    embeddings' gradient non-finite as a float16 overflow would. The step is skipped (counted,
+    scale halved); since a skip must stay possible the head is not updated inside the backward
+    (`fused_head_update` is False), and every head row, its optimizer state and step count,
+    and the backbone keep their bits. The same step with a finite gradient changes them."""
+    backbone = PoisonableNet()
+    trainer = Trainer(config(data_root, str(tmp_path / "amp"),
+                             Loss={"param_dtype": dtype, "sample_ratio": ratio, "margin": margin}),
+                      backbone=backbone)
+    assert trainer.fused_head_update  # the default, without loss scaling
+    trainer.scaler = LossScaler(True, init_scale=1024.0)
+    assert not trainer.fused_head_update
+    rng = np.random.RandomState(7)
+    batches = [(paddle.to_tensor(rng.normal(size=(4, 3, IMAGE, IMAGE)).astype("float32")),
+                paddle.to_tensor(rng.randint(0, CLASSES, 4).astype("int64"))) for _ in range(2)]
+    trainer.train_step([batches[0]])  # a good step first: the optimizer state exists, non-zero
+    assert trainer.scaler.skipped == 0 and trainer.scaler.scale == 1024.0
+    head0, count0 = head_bits(trainer)
+    assert head0["weight"].dtype == (np.uint16 if dtype == "bfloat16" else np.uint32)
+    assert ("bias" in head0) == (margin == "softmax")
+    assert any(k.startswith("opt.") and v.any() for k, v in head0.items())
+    backbone0 = backbone_bits(trainer)
+
+    backbone.poison = True
+    trainer.train_step([batches[1]])
+    assert trainer.scaler.skipped == 1 and trainer.scaler.scale == 512.0 and trainer.step == 2
+    head1, count1 = head_bits(trainer)
+    assert_same_bits(head1, head0)
+    assert count1 == count0 == 1
+    assert_same_bits(backbone_bits(trainer), backbone0)
+
+    backbone.poison = False  # the same batch, finite: applied
+    trainer.train_step([batches[1]])
+    assert trainer.scaler.skipped == 1 and trainer.scaler.scale == 512.0 and trainer.step == 3
+    head2, count2 = head_bits(trainer)
+    assert count2 == 2
+    for key in head0:
+        assert not np.array_equal(head2[key], head0[key]), key
+    assert any(not np.array_equal(v, backbone0[k]) for k, v in backbone_bits(trainer).items())
+
+
+# ------------------------------------------------------- 4. config, Entry, fused update
+
+def test_param_dtype_int8_in_a_yaml_names_the_key_and_the_choices(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "int8"},
+                                    "Data": {"root": "/data"}}))
+    with pytest.raises(ConfigError, match=r"Loss\.param_dtype must be one of float32, bfloat16, "
+                                          r"float16, got 'int8'"):
+        load_config(str(path))
+    path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "bfloat16"},
+                                    "Data": {"root": "/data"}}))
+    assert load_config(str(path))["Loss"]["param_dtype"] == "bfloat16"
+
+
+def test_entry_set_param_dtype():
+    entry = Entry().set_class_num(10).set_dataset_dir("/data")
+    assert entry.get_config()["Loss"]["param_dtype"] == "float32"  # the default
+    assert entry.set_param_dtype("bfloat16") is entry
+    cfg = entry.get_config()
+    assert cfg["Loss"]["param_dtype"] == "bfloat16" and cfg["Optimizer"]["head_state_dtype"] is None
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16, "
+                                         r"got 'int8'"):
+        entry.set_param_dtype("int8")
+    assert entry.get_config()["Loss"]["param_dtype"] == "bfloat16"  # unchanged by the error
+
+
+@pytest.mark.parametrize("dtype,ratio", [("float32", 1.0), ("float32", 0.5), ("bfloat16", 0.5)])
+def test_unfused_head_update_trains_like_the_fused_one(tmp_path, data_root, dtype, ratio):
+    """Optimizer.fused_head_update: false applies the head optimizer after the backward
+    (`head_opt.step`); the fused update inside the backward gives the same run bit for bit:
+    losses, head rows, optimizer state and backbone."""
+    runs = []
+    for fused in (True, False):
+        trainer = Trainer(config(data_root, str(tmp_path / str(fused)), Global={"max_steps": 3},
+                                 Loss={"param_dtype": dtype, "sample_ratio": ratio},
+                                 Optimizer={"fused_head_update": fused}),
+                          backbone=make_backbone(0))
+        assert trainer.fused_head_update is fused
+        calls = {"step": 0, "fused_update": 0}
+        for name in calls:
+            def spy(*args, _name=name, _orig=getattr(trainer.head_opt, name), **kw):
+                calls[_name] += 1
+                return _orig(*args, **kw)
+            setattr(trainer.head_opt, name, spy)
+        history = trainer.train()
+        assert calls == ({"step": 0, "fused_update": 3} if fused else {"step": 3, "fused_update": 0})
+        runs.append((history, trainer))
+    (h_fused, t_fused), (h_sep, t_sep) = runs
+    assert [v for _, v in h_fused] == [v for _, v in h_sep]
+    (a, ca), (b, cb) = head_bits(t_fused), head_bits(t_sep)
+    assert_same_bits(a, b)
+    assert ca == cb == 3
+    assert_same_bits(backbone_bits(t_fused), backbone_bits(t_sep))
