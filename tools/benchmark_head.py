@@ -8,9 +8,17 @@
         --num-classes 400000 --batch-size 256 --chunk-size 0 25000
     python tools/benchmark_head.py --num-classes 12500000 --embedding-size 128 \
         --batch-size 256 --sample-ratio 0.1 --compare-dense
+    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+        --num-classes 400000 --batch-size 256 --chunk-size 25000 --update \
+        --param-dtype float32 bfloat16 --fused
+    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+        --capacity --num-classes 9000000 --batch-size 256 --chunk-size 16384 \
+        --param-dtype bfloat16 --fused --save /tmp/plsc_capacity
 
 A step is forward + backward (+ the head's SparseMomentum update with
-`--update`). Measured in the same run: the step time, the time of the head's
+`--update`; with `--fused` the update happens inside the backward, float32 runs excepted
+when `--fused-fp32` is not given). `--param-dtype` stores the centres and the momentum in
+that dtype (each value measured in turn). Measured in the same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
 gradient, dense shapes; with sampling, on the sampled rows; each repeated back to
 back, medians added): `gemm_time_s` with fresh outputs, as any op allocates them,
@@ -94,6 +102,20 @@ def parse_args(argv=None):
                         "(0: dense; default 0)")
     p.add_argument("--update", action="store_true",
                    help="include the head's optimizer update (SparseMomentum) in the step")
+    p.add_argument("--param-dtype", nargs="+", default=["float32"],
+                   choices=("float32", "bfloat16", "float16"),
+                   help="storage of the class centres and their momentum, each measured in turn "
+                        "(default float32)")
+    p.add_argument("--fused", action="store_true",
+                   help="16-bit runs update the head inside its backward (implies --update)")
+    p.add_argument("--fused-fp32", action="store_true",
+                   help="float32 runs too update inside the backward (with --fused)")
+    p.add_argument("--compare-dtypes", action="store_true",
+                   help="time the steps of every --param-dtype and the GEMMs in the same rounds "
+                        "and report their ratios (one JSON line per rank)")
+    p.add_argument("--save", metavar="DIR",
+                   help="capacity mode: also save the head's arrays (streamed, as a checkpoint "
+                        "does) into DIR, and report the time and the peak RSS with it")
     p.add_argument("--compare-dense", action="store_true",
                    help="also time a head of exactly the sampled number of classes without "
                         "sampling (dense_step_time_s, dense_ratio)")
@@ -107,21 +129,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def bench_ratio(args, ratio, rank, world, chunk):
+def _fused(args, dtype):
+    return args.fused and (dtype != "float32" or args.fused_fp32)
+
+
+def make_step(head, opt, x, y, fused):
+    """forward + backward (+ the update: separate, or inside the backward when `fused`)."""
+    def step():
+        if fused:
+            head.row_update = opt.fused_update(head)
+        head(x, y).backward()
+        head.row_update = None
+        if fused:
+            opt.end_fused_step(head)
+        elif opt is not None:
+            opt.step(head)
+    return step
+
+
+def bench_ratio(args, ratio, rank, world, chunk, dtype):
     d, b = args.embedding_size, args.batch_size
     n = b * world
     head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
-                     seed=args.seed, chunk_size=chunk)
-    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) if args.update else None
+                     seed=args.seed, chunk_size=chunk, param_dtype=dtype)
+    fused = _fused(args, dtype)
+    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
+        if args.update or args.fused else None
     rng = np.random.RandomState(args.seed + rank)
     x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
     x.stop_gradient = False
     y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
-
-    def step():
-        head(x, y).backward()
-        if opt is not None:
-            opt.step(head)
+    step = make_step(head, opt, x, y, fused)
 
     def clear():  # free (not zero) the gradients, so each step allocates its own
         x.grad = None
@@ -194,7 +232,8 @@ def bench_ratio(args, ratio, rank, world, chunk):
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
         "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
         "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
-        "num_sample": head.num_sample, "update": bool(args.update),
+        "num_sample": head.num_sample, "update": opt is not None, "param_dtype": dtype,
+        "fused": fused,
         "step_time_s": round(step_time, 4), "gemm_time_s": round(gemm_time, 4),
         "time_ratio": round(step_time / gemm_time, 3), "gemm_compute_s": round(gemm_compute, 4),
         "compute_ratio": round(step_time / gemm_compute, 3),
@@ -205,46 +244,113 @@ def bench_ratio(args, ratio, rank, world, chunk):
     }
 
 
+def bench_dtypes(args, ratio, rank, world, chunk):
+    """The step of one head per `--param-dtype` and the three GEMMs (fresh outputs), all in
+    the same rounds (each round runs every one once, medians reported), so that the dtypes'
+    ratio is measured under the same machine conditions."""
+    d, b = args.embedding_size, args.batch_size
+    n = b * world
+    rng = np.random.RandomState(args.seed + rank)
+    x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
+    x.stop_gradient = False
+    y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    runs = {}
+    for dtype in args.param_dtype:
+        head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
+                         seed=args.seed, chunk_size=chunk, param_dtype=dtype)
+        opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
+            if args.update or args.fused else None
+        step = make_step(head, opt, x, y, _fused(args, dtype))
+
+        def run(step=step, head=head):
+            x.grad = None
+            for param in head.parameters():
+                param.grad = None
+            step()
+        run()  # warm-up; creates the optimizer state
+        runs[dtype] = run
+    feats = paddle.randn([n, d])
+    w = paddle.randn([head.num_sample, d])  # the GEMMs on the (last) head's shapes
+    logits = paddle.matmul(feats, w, transpose_y=True)
+    runs["gemms"] = lambda: (paddle.matmul(feats, w, transpose_y=True),
+                             paddle.matmul(logits, w), paddle.matmul(logits, feats, transpose_x=True))
+    times = {key: [] for key in runs}
+    for _ in range(args.steps):
+        for key, fn in runs.items():
+            times[key].append(timed(fn, 1))
+    t = {key: statistics.median(v) for key, v in times.items()}
+    first = args.param_dtype[0]
+    return {"bench": "dtypes", "rank": rank, "world_size": world, "num_classes": args.num_classes,
+            "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
+            "update": bool(args.update or args.fused), "fused": {k: _fused(args, k) for k in
+                                                                  args.param_dtype},
+            "step_time_s": {k: round(t[k], 4) for k in args.param_dtype},
+            "gemm_time_s": round(t["gemms"], 4),
+            "time_ratio": {k: round(t[k] / t["gemms"], 3) for k in args.param_dtype},
+            f"ratio_to_{first}": {k: round(t[k] / t[first], 3) for k in args.param_dtype}}
+
+
 def rss_peak_bytes():
     with open("/proc/self/status") as f:
         return 1024 * int(next(line for line in f if line.startswith("VmHWM")).split()[1])
 
 
-def capacity(args, ratio, rank, world, chunk):
+def capacity(args, ratio, rank, world, chunk, dtype):
     """Two full training steps of the head at this size, and its memory per class:
     `init` = building the head, `step` = the second step's forward, backward and
-    update (the optimizer state exists by then), `state` = what stays between steps."""
+    update (the optimizer state exists by then), `state` = what stays between steps;
+    with `--save`, then a save of the head's arrays as a checkpoint writes them."""
     d, b = args.embedding_size, args.batch_size
     meter = MemoryMeter()
     meter.reset_peak()
     start = time.perf_counter()
     head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
-                     seed=args.seed, chunk_size=chunk)
+                     seed=args.seed, chunk_size=chunk, param_dtype=dtype)
     init_peak = meter.peak()
     opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
     rng = np.random.RandomState(args.seed + rank)
     x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
     x.stop_gradient = False
     y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
-    head(x, y).backward()
-    opt.step(head)  # creates the momentum
+    fused = _fused(args, dtype)
+    step = make_step(head, opt, x, y, fused)
+    step()  # creates the momentum
     sync()
     meter.reset_peak()
-    head(x, y).backward()
-    opt.step(head)
+    t0 = time.perf_counter()
+    step()
     sync()
+    step_seconds = time.perf_counter() - t0
     step_peak, state = meter.peak(), meter.current()
     per = head.num_local
     workspace = head.workspace.nbytes  # kept between steps (counted in `state`)
-    return {"bench": "capacity", "rank": rank, "world_size": world, "num_classes": args.num_classes,
-            "num_local": per, "global_batch": b * world, "embedding_size": d,
-            "sample_ratio": ratio, "chunk_size": chunk, "completed": True,
-            "seconds": round(time.perf_counter() - start, 1),
-            "init_peak_bytes_per_class": round(init_peak / per, 1),
-            "step_peak_bytes_per_class": round(step_peak / per, 1),
-            "state_bytes_per_class": round(state / per, 1),
-            "workspace_bytes_per_class": round(workspace / per, 1),
-            "rss_peak_bytes": rss_peak_bytes()}
+    out = {"bench": "capacity", "rank": rank, "world_size": world,
+           "num_classes": args.num_classes, "num_local": per, "global_batch": b * world,
+           "embedding_size": d, "sample_ratio": ratio, "chunk_size": chunk,
+           "param_dtype": dtype, "state_dtype": str(opt.state_dict()["weight.velocity"].dtype)
+           .replace("paddle.", ""), "fused": fused, "completed": True,
+           "step_seconds": round(step_seconds, 1),
+           "init_peak_bytes_per_class": round(init_peak / per, 1),
+           "step_peak_bytes_per_class": round(step_peak / per, 1),
+           "state_bytes_per_class": round(state / per, 1),
+           "workspace_bytes_per_class": round(workspace / per, 1),
+           "rss_peak_after_steps_bytes": rss_peak_bytes()}
+    if args.save:
+        from plsc.engine.checkpoint import save_rows_npy
+        folder = os.path.join(args.save, f"head_rank{rank}")
+        os.makedirs(folder, exist_ok=True)
+        meter.reset_peak()
+        t0 = time.perf_counter()
+        arrays = {"weight": head.weight, **{f"opt.{k}": v for k, v in opt.state_dict().items()
+                                            if v.ndim > 0}}
+        for name, array in arrays.items():
+            save_rows_npy(os.path.join(folder, f"{name}.npy"), array)
+        out.update(save_seconds=round(time.perf_counter() - t0, 1),
+                   save_peak_bytes_per_class=round(meter.peak() / per, 1),
+                   saved_bytes=sum(os.path.getsize(os.path.join(folder, f))
+                                   for f in os.listdir(folder)))
+    out.update(seconds=round(time.perf_counter() - start, 1), rss_peak_bytes=rss_peak_bytes())
+    return out
 
 
 def main(argv=None):
@@ -258,7 +364,11 @@ def main(argv=None):
     run = capacity if args.capacity else bench_ratio
     for ratio in args.sample_ratio:
         for chunk in args.chunk_size:
-            print(json.dumps(run(args, ratio, rank, world, chunk)), flush=True)
+            if args.compare_dtypes:
+                print(json.dumps(bench_dtypes(args, ratio, rank, world, chunk)), flush=True)
+                continue
+            for dtype in args.param_dtype:
+                print(json.dumps(run(args, ratio, rank, world, chunk, dtype)), flush=True)
 
 
 if __name__ == "__main__":
