@@ -94,8 +94,9 @@ SCHEMA = {
         "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
                                "the class centres (Loss.param_dtype)", nullable=True,
                                choices=("float32", "bfloat16", "float16")),
-        "head_rounding": _k(str, "stochastic", "how 16-bit head arrays are written: stochastic "
-                            "(unbiased) or nearest", choices=("stochastic", "nearest")),
+        "head_write_rounding": _k(str, "stochastic", "how 16-bit head arrays are written: "
+                                  "stochastic (unbiased) or nearest",
+                                  choices=("stochastic", "nearest")),
         "fused_head_update": _k(bool, True, "update the head's rows inside its backward (no "
                                 "weight-gradient array) where that is exact: no gradient "
                                 "accumulation, no float16 loss scaling"),

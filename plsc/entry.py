@@ -129,7 +129,7 @@ class Entry:
         self._set("Loss", "param_dtype", dtype)
         self._set("Optimizer", "head_state_dtype", state_dtype)
         if rounding is not None:
-            self._set("Optimizer", "head_rounding", rounding)
+            self._set("Optimizer", "head_write_rounding", rounding)
         return self
 
     def set_fused_head_update(self, enable):

@@ -11,9 +11,11 @@ is correctly rounded, and rounding it to float32 gives the correctly rounded flo
 """
 import paddle
 
-__all__ = ["STORAGE_DTYPES", "dtype_name", "to_float32", "cast_nearest", "sqrt_exact"]
+__all__ = ["STORAGE_DTYPES", "UPCAST_SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
+           "gather_rows", "sqrt_exact"]
 
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+UPCAST_SLAB_BYTES = 32 << 20  # float32 bytes of 16-bit rows upcast at a time, where not per block
 
 
 def dtype_name(dtype):
@@ -40,6 +42,14 @@ def cast_nearest(x, dtype):
         # it stays below 2^-25, which rounds to 0 either way.
         x = (x + 2.0 ** -52) - 2.0 ** -52
     return x.astype(name)
+
+
+def gather_rows(t, index):
+    """Rows `index` of `t`, in `t`'s dtype (Paddle 3.3 has no float16 gather on CPU: 16-bit
+    rows move as int16)."""
+    if t.dtype in (paddle.bfloat16, paddle.float16):
+        return paddle.gather(t.view("int16"), index).view(t.dtype)
+    return paddle.gather(t, index)
 
 
 def sqrt_exact(x):

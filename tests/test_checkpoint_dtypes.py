@@ -9,6 +9,8 @@ import paddle
 import pytest
 
 import plsc.engine.checkpoint as ckpt
+import plsc.engine.head_store as store
+from plsc.distributed import ClassPartition
 
 C, D = 11, 6  # classes, embedding size
 
@@ -60,7 +62,7 @@ def tensor_of(dtype, rows):
 def write_checkpoint(path, arrays, world_size, dtypes=True):
     """A checkpoint folder of `world_size` shards holding `arrays` {name: (dtype, rows as
     stored)}; `dtypes=False` leaves out `head_dtypes` (an older checkpoint)."""
-    part = ckpt.ClassPartition(C, world_size)
+    part = ClassPartition(C, world_size)
     for r in range(world_size):
         os.makedirs(os.path.join(path, f"head_rank{r}"))
         lo, n = part.class_start(r), part.num_local(r)
@@ -79,7 +81,7 @@ def write_checkpoint(path, arrays, world_size, dtypes=True):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_save_writes_what_numpy_would(tmp_path, monkeypatch, dtype):
-    monkeypatch.setattr(ckpt, "_SLAB_BYTES", 50)  # many slabs, the last one partial
+    monkeypatch.setattr(store, "_SLAB_BYTES", 50)  # many slabs, the last one partial
     rows = stored(dtype, values((37, D)))
     name = ckpt.save_rows_npy(str(tmp_path / "w.npy"), tensor_of(dtype, rows))
     assert name == dtype
@@ -115,10 +117,10 @@ def expected_load(src, dst, rows):
 @pytest.mark.parametrize("src,dst", _CONVERSIONS)
 def test_load_converts_across_dtypes_and_world_sizes(tmp_path, monkeypatch, src, dst):
     """Written as 2 shards, read as the rows of 3 shards (slabs of 2 rows) into each dtype."""
-    monkeypatch.setattr(ckpt, "_SLAB_BYTES", 2 * 4 * D)
+    monkeypatch.setattr(store, "_SLAB_BYTES", 2 * 4 * D)
     weight, bias = stored(src, values((C, D))), stored(src, values((C,), seed=1))
     path = write_checkpoint(tmp_path / "ck", {"weight": (src, weight), "bias": (src, bias)}, 2)
-    part = ckpt.ClassPartition(C, 3)
+    part = ClassPartition(C, 3)
     for name, rows in (("weight", weight), ("bias", bias)):
         got = []
         for r in range(3):
@@ -165,7 +167,7 @@ def test_mismatched_file_names_file_dtype_and_shape(tmp_path):
 
 
 def test_reshard_copies_bits_and_keeps_dtypes(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "_SLAB_BYTES", 3 * 2 * D)  # slabs of 3 rows
+    monkeypatch.setattr(store, "_SLAB_BYTES", 3 * 2 * D)  # slabs of 3 rows
     weight = stored("bfloat16", values((C, D)))
     velocity = stored("float16", values((C, D), seed=2))
     src = write_checkpoint(tmp_path / "ck", {"weight": ("bfloat16", weight),
@@ -189,7 +191,7 @@ def test_reshard_of_an_older_checkpoint_records_dtypes(tmp_path):
 
 
 def test_export_upcasts_bfloat16_and_keeps_16_bit_floats(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "_SLAB_BYTES", 4 * 4 * D)
+    monkeypatch.setattr(store, "_SLAB_BYTES", 4 * 4 * D)
     weight = stored("bfloat16", values((C, D)))
     velocity = stored("float16", values((C, D), seed=2))
     src = write_checkpoint(tmp_path / "ck", {"weight": ("bfloat16", weight),
@@ -205,7 +207,7 @@ def test_export_upcasts_bfloat16_and_keeps_16_bit_floats(tmp_path, monkeypatch):
 
 
 def test_import_rounds_into_the_checkpoint_dtype(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "_SLAB_BYTES", 4 * 4 * D)
+    monkeypatch.setattr(store, "_SLAB_BYTES", 4 * 4 * D)
     weight = stored("bfloat16", values((C, D)))
     velocity = stored("bfloat16", values((C, D), seed=2))
     bias = values((C,), seed=3)

@@ -96,7 +96,7 @@ def build_backbone_optimizer(cfg, params, lr):
 
 def build_head_optimizer(cfg, lr):
     o = cfg["Optimizer"]
-    common = dict(state_dtype=o["head_state_dtype"], rounding=o["head_rounding"],
+    common = dict(state_dtype=o["head_state_dtype"], rounding=o["head_write_rounding"],
                   seed=cfg["Global"]["seed"])
     if o["name"] == "sgd":
         return SparseMomentum(lr, momentum=o["momentum"], weight_decay=o["weight_decay"], **common)

@@ -21,23 +21,22 @@ block of rows is upcast to float32 for its GEMMs (`_rows_f32`, the one place thi
 Paddle 3.3 has no 16-bit matmul on CPU) and every statistic (row max, sum of exponentials,
 target logit, log-probability) is float32.
 
-The weight gradient is produced a slab of `_WGRAD_SLAB` rows at a time and handed to a sink:
-written into a returned array, written over the weight (Partial FC's scratch rows), or given
-to `row_update`, which applies the optimizer to those rows at once, so that no weight
-gradient array exists at all.
+The weight gradient goes where the caller wants it: a block at a time straight from the
+GEMM into the array the backward returns, or a slab of `_WGRAD_SLAB` rows at a time to a
+sink that writes it over the weight (Partial FC's scratch rows) or gives it to `row_update`,
+which applies the optimizer to those rows at once, so that no weight-gradient array exists.
 """
 import paddle
 from paddle.autograd import PyLayer
 
 from ..distributed import all_reduce_
-from ..numerics import sqrt_exact, to_float32
+from ..numerics import UPCAST_SLAB_BYTES, sqrt_exact, to_float32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _SLAB_BYTES = 2 << 20  # temporaries of the in-place weight-gradient correction (cache-sized)
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM (and per update of the fused path)
-_UPCAST_BYTES = 32 << 20  # float32 bytes of a 16-bit weight upcast at a time for the row norms
 
 
 def _rows_f32(t, start=0, stop=None):
@@ -49,7 +48,7 @@ def _inv_row_norms(weight):
     """1/|W_j| of every row, float32; a 16-bit weight is upcast a slab of rows at a time."""
     if weight.dtype == paddle.float32:
         return 1.0 / _row_norm(weight)
-    step = max(1, _UPCAST_BYTES // (4 * weight.shape[1]))
+    step = max(1, UPCAST_SLAB_BYTES // (4 * weight.shape[1]))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
                           for i in range(0, weight.shape[0], step)])
 

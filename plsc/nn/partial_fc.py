@@ -1,16 +1,15 @@
 """PartialFC: the class-sharded classification head."""
-import numpy as np
+import math
+
 import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
-from ..numerics import STORAGE_DTYPES, cast_nearest, to_float32
+from ..numerics import STORAGE_DTYPES, UPCAST_SLAB_BYTES, cast_nearest, gather_rows, to_float32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
 from .workspace import Workspace
-
-_UPCAST_ROWS_BYTES = 32 << 20  # float32 bytes of 16-bit rows upcast (or drawn) at a time
 
 __all__ = ["PartialFC"]
 
@@ -172,12 +171,10 @@ class PartialFC(nn.Layer):
             rows = paddle.index_select(source, index, out=out)
         else:
             rows = out.detach() if out is not None else paddle.empty(shape, dtype="float32")
-            step = max(1, _UPCAST_ROWS_BYTES // (4 * max(1, int(np.prod(shape[1:])))))
+            step = max(1, UPCAST_SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
-                # Paddle 3.3 has no float16 gather on CPU: move 16-bit values as int16.
-                part16 = paddle.gather(source.view("int16"), part).view(source.dtype)
-                rows[lo:lo + part.shape[0]] = to_float32(part16)
+                rows[lo:lo + part.shape[0]] = to_float32(gather_rows(source, part))
         rows.stop_gradient = param.stop_gradient
         return rows
 
@@ -264,7 +261,7 @@ def _normal_parameter(layer, shape, std, dtype):
         return layer.create_parameter(shape, dtype="float32", default_initializer=init)
     param = layer.create_parameter(shape, dtype=dtype,
                                    default_initializer=nn.initializer.Constant(0.0))
-    step = max(1, _UPCAST_ROWS_BYTES // (4 * shape[1]))
+    step = max(1, UPCAST_SLAB_BYTES // (4 * shape[1]))
     with paddle.no_grad():
         for lo in range(0, shape[0], step):
             rows = min(step, shape[0] - lo)

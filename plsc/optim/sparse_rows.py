@@ -23,7 +23,7 @@ import zlib
 
 import paddle
 
-from ..numerics import sqrt_exact, to_float32
+from ..numerics import gather_rows, sqrt_exact, to_float32
 from .rounding import round_to
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
@@ -215,12 +215,7 @@ class _Rows:
         self.start, self.stop = start, stop
 
     def read(self, t):
-        if self.index is None:
-            rows = t[self.start:self.stop]
-        elif t.dtype in (paddle.bfloat16, paddle.float16):  # no 16-bit CPU gather in Paddle 3.3
-            rows = paddle.gather(t.view("int16"), self.index).view(t.dtype)
-        else:
-            rows = paddle.gather(t, self.index)
+        rows = t[self.start:self.stop] if self.index is None else gather_rows(t, self.index)
         return to_float32(rows)
 
     def write(self, t, value, key=""):
