@@ -17,10 +17,11 @@ def config_parser(description, override_example="-o Global.checkpoint=latest"):
 
 
 def run_tool(args, task, *extra):
-    """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code."""
+    """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code (the task's
+    own when it returns an int, e.g. a preempted training's)."""
     try:
-        task(load_config(args.config, args.override), *extra)
+        code = task(load_config(args.config, args.override), *extra)
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return code if type(code) is int else 0

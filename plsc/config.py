@@ -43,8 +43,9 @@ SCHEMA = {
         "epochs": _k(int, 20, "training epochs (ignored when max_steps is set)"),
         "max_steps": _k(int, None, "stop after this many optimizer steps", nullable=True),
         "log_interval": _k(int, 20, "steps between log lines"),
-        "checkpoint": _k(str, None, "checkpoint directory to resume from ('latest' = newest "
-                         "in output_dir)", nullable=True),
+        "checkpoint": _k(str, None, "checkpoint to resume from: a folder, 'latest' (the newest "
+                         "in output_dir) or 'auto' (the newest if any, else start fresh)",
+                         nullable=True),
         "pretrained": _k(str, None, "backbone weights (.pdparams) to start from", nullable=True),
     },
     "Model": {

@@ -2,6 +2,10 @@
 
     python -m paddle.distributed.launch --nproc_per_node 8 tools/train.py -c configs/arcface_r50.yaml
     python tools/train.py -c configs/demo.yaml -o Global.max_steps=100     # one process
+
+On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a checkpoint is
+written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
+same command resumes from it.
 """
 import os
 import sys
@@ -13,7 +17,12 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 
 def train(cfg):
     from plsc.engine import Trainer
-    Trainer(cfg).train()
+    from plsc.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
+    try:
+        Trainer(cfg).train()
+    except Preempted as err:
+        print(f"plsc: {err}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
 
 
 def main(argv=None):

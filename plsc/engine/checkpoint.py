@@ -77,12 +77,16 @@ def local_optimizer_state(state, model):
 
 
 def find_checkpoint(path, output_dir):
-    """Resolve 'latest' (newest complete checkpoint under output_dir) or check a path."""
-    if path == "latest":
+    """Resolve a Global.checkpoint value: 'latest' (the newest complete checkpoint under
+    output_dir; an error if there is none), 'auto' (the same, or None when there is none:
+    start fresh) or a checkpoint folder (checked)."""
+    if path in ("latest", "auto"):
         root = os.path.join(output_dir, "checkpoints")
         done = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else ())
                       if _STEP_DIR.match(d) and os.path.isfile(os.path.join(root, d, "meta.json")))
         if not done:
+            if path == "auto":
+                return None
             raise FileNotFoundError(f"Global.checkpoint=latest but {root} holds no complete checkpoint")
         return os.path.join(root, done[-1])
     read_meta(path)

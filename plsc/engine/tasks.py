@@ -23,13 +23,16 @@ def trained_backbone(cfg, backbone=None):
     select_device(cfg["Global"]["device"])
     g = cfg["Global"]
     backbone = backbone if backbone is not None else build_backbone(cfg)
-    if g["checkpoint"]:
-        load_backbone_weights(backbone, find_checkpoint(g["checkpoint"], g["output_dir"]))
+    path = find_checkpoint(g["checkpoint"], g["output_dir"]) if g["checkpoint"] else None
+    if path is not None:
+        load_backbone_weights(backbone, path)
     elif g["pretrained"]:
         load_backbone_weights(backbone, g["pretrained"])
     else:
-        raise ConfigError("no weights to use: set Global.checkpoint (a checkpoint folder or "
-                          "'latest') or Global.pretrained (a .pdparams file)")
+        found = (f" (Global.checkpoint=auto found none under {g['output_dir']})"
+                 if g["checkpoint"] == "auto" else "")
+        raise ConfigError(f"no weights to use{found}: set Global.checkpoint (a checkpoint folder "
+                          "or 'latest') or Global.pretrained (a .pdparams file)")
     backbone.eval()
     return backbone
 

@@ -17,6 +17,7 @@ from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_hea
                          local_optimizer_state, portable_optimizer_state, restore_rng)
 from .evaluator import VerificationEvaluator
 from .logger import TrainLogger
+from .preemption import Preempted, StopSignals
 
 __all__ = ["Trainer"]
 
@@ -119,8 +120,16 @@ class Trainer:
         self.history = []  # (step, loss) of every optimizer step of this process
         self.eval_history = []
         self.best = {}  # target -> best accuracy so far
+        self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
         if g["checkpoint"]:
-            self.resume(find_checkpoint(g["checkpoint"], self.output_dir))
+            path = find_checkpoint(g["checkpoint"], self.output_dir)
+            if path is None:  # Global.checkpoint=auto and nothing to resume
+                self.log.info(f"Global.checkpoint=auto: no checkpoint under "
+                              f"{os.path.join(self.output_dir, 'checkpoints')}; starting fresh")
+            else:
+                if g["checkpoint"] == "auto":
+                    self.log.info(f"Global.checkpoint=auto: resuming from {path}")
+                self.resume(path)
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
@@ -220,25 +229,37 @@ class Trainer:
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
             self.evaluate()
-        while self.step < self.total_steps:
-            micro = []
-            for images, labels in self._loader():
-                self.batch_in_epoch += 1
-                micro.append((images, labels))
-                if len(micro) < self.accumulate:
-                    continue
-                loss = self.train_step(micro)
+        with StopSignals() as stop:
+            while self.step < self.total_steps:
                 micro = []
-                self.history.append((self.step, loss))
-                self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
-                self._after_step()
-                if self.step >= self.total_steps:
-                    break
-            else:
-                self.epoch += 1
-                self.batch_in_epoch = 0
+                for images, labels in self._loader():
+                    self.batch_in_epoch += 1
+                    micro.append((images, labels))
+                    if len(micro) < self.accumulate:
+                        continue
+                    loss = self.train_step(micro)
+                    micro = []
+                    self.history.append((self.step, loss))
+                    self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
+                    self._after_step()
+                    signum = stop.agreed()  # the same on every rank: all stop after this step
+                    if signum:
+                        self._stop(signum)
+                    if self.step >= self.total_steps:
+                        break
+                else:
+                    self.epoch += 1
+                    self.batch_in_epoch = 0
         self.log.close()
         return self.history
+
+    def _stop(self, signum):
+        """A rank was asked to stop: checkpoint this step (unless just done) and raise."""
+        path = self.save() if self._saved_step != self.step else self._saved_path
+        err = Preempted(self.step, signum, path)
+        self.log.info(str(err))
+        self.log.close()
+        raise err
 
     def _after_step(self):
         last = self.step >= self.total_steps
@@ -284,7 +305,10 @@ class Trainer:
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
                          "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
-        return self.ckpt.save(self.step, meta, self.backbone.state_dict(), trainer_state, arrays)
+        self._saved_path = self.ckpt.save(self.step, meta, self.backbone.state_dict(),
+                                          trainer_state, arrays)
+        self._saved_step = self.step
+        return self._saved_path
 
     def resume(self, path):
         meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)

@@ -1,0 +1,189 @@
+"""Preemption and auto-resume: SIGTERM to one rank or to the launcher stops every rank after
+the same step with a checkpoint and exit status 75; `Global.checkpoint: auto` resumes from it
+and the run ends with the uninterrupted run's weights, bit for bit."""
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import paddle
+import pytest
+import yaml
+
+from engine_common import CLASSES, IMAGE, config, make_data
+from plsc.engine import Trainer, find_checkpoint
+from plsc.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("synthetic")))
+
+
+# ------------------------------------------------------------------ one process
+def test_stop_signals_are_recorded_then_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGTERM and stop.repeats == 1
+        assert stop.agreed() == signal.SIGTERM  # a world of one: its own flag
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_auto_starts_fresh_then_resumes(tmp_path, data_root):
+    out = str(tmp_path / "run")
+    assert find_checkpoint("auto", out) is None
+    with pytest.raises(FileNotFoundError, match="latest"):
+        find_checkpoint("latest", out)
+    first = Trainer(config(data_root, out, Global={"checkpoint": "auto", "max_steps": 3}))
+    assert first.step == 0
+    first.train()
+    log = open(os.path.join(out, "train.log")).read()
+    assert "Global.checkpoint=auto: no checkpoint under" in log
+    second = Trainer(config(data_root, out, Global={"checkpoint": "auto", "max_steps": 5}))
+    assert second.step == 3
+    assert "Global.checkpoint=auto: resuming from" in open(os.path.join(out, "train.log")).read()
+    np.testing.assert_array_equal(second.head.weight.numpy(), first.head.weight.numpy())
+
+
+def test_signal_in_one_process_checkpoints_and_resume_is_exact(tmp_path, data_root):
+    full = Trainer(config(data_root, str(tmp_path / "full"), Global={"max_steps": 6}))
+    full.train()
+    out = str(tmp_path / "stopped")
+    stopped = Trainer(config(data_root, out, Global={"max_steps": 6, "checkpoint": "auto"}))
+    real = stopped._after_step
+
+    def after_step():
+        real()
+        if stopped.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    stopped._after_step = after_step
+    with pytest.raises(Preempted) as info:
+        stopped.train()
+    assert info.value.step == 2 and info.value.signum == signal.SIGTERM
+    assert info.value.checkpoint.endswith("step_00000002") and os.path.isdir(info.value.checkpoint)
+    resumed = Trainer(config(data_root, out, Global={"max_steps": 6, "checkpoint": "auto"}))
+    assert resumed.step == 2
+    resumed.train()
+    for a, b in zip(full.backbone.parameters(), resumed.backbone.parameters()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(full.head.weight.numpy(), resumed.head.weight.numpy())
+    np.testing.assert_array_equal(full.head_opt.state_dict()["weight.velocity"].numpy(),
+                                  resumed.head_opt.state_dict()["weight.velocity"].numpy())
+
+
+# ------------------------------------------------------------- launched ranks
+def write_config(path, data_root, output_dir):
+    raw = {
+        "Global": {"seed": 0, "output_dir": output_dir, "device": "cpu", "max_steps": STEPS,
+                   "log_interval": 1, "checkpoint": "auto"},
+        "Model": {"name": "IResNetTiny", "embedding_size": 32},
+        "Loss": {"margin": "arcface", "scale": 16.0, "num_classes": CLASSES,
+                 "param_dtype": "bfloat16"},
+        "Data": {"dataset": "recordio", "root": data_root, "image_size": [IMAGE, IMAGE],
+                 "batch_size": 4, "num_workers": 0},
+        "Optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
+        "LRScheduler": {"warmup_steps": 2},
+        "Checkpoint": {"interval": 100, "keep_last": 5},
+        "Logging": {"visualdl": False, "progress_bar": False},
+    }
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    return path
+
+
+def launch(tmp, name, data_root, signal_rank=-1, signal_step=0, pause=0.0):
+    """Start 2 ranks of tests/preempt_worker.py; (process, config, log folder)."""
+    cfg = write_config(str(tmp / "config.yaml"), data_root, str(tmp / "out"))
+    logs = str(tmp / f"logs_{name}")
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
+           "--log_dir", logs, os.path.join(HERE, "preempt_worker.py"), str(signal_rank),
+           str(signal_step), str(pause), "-c", cfg]
+    return subprocess.Popen(cmd, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True), logs
+
+
+def finish(proc, what):
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{what}: timed out (hang?)")
+    return proc.returncode, out
+
+
+def worker_logs(logs):
+    return [open(f).read() for f in sorted(glob.glob(os.path.join(logs, "workerlog.*")))]
+
+
+def stop_steps(logs):
+    """The step each rank reported stopping at."""
+    found = [re.findall(r"preempted: stopped at step (\d+) by signal 15", text)
+             for text in worker_logs(logs)]
+    return [int(f[0]) if f else None for f in found]
+
+
+def final_state(out):
+    """Backbone and every head array of the final checkpoint, as stored."""
+    ckpt = os.path.join(out, "checkpoints", f"step_{STEPS:08d}")
+    state = {k: v.numpy() for k, v in paddle.load(os.path.join(ckpt, "backbone.pdparams")).items()}
+    for f in sorted(glob.glob(os.path.join(ckpt, "head_rank*", "*.npy"))):
+        state[os.path.relpath(f, ckpt)] = np.load(f)
+    return state
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_root):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    proc, logs = launch(tmp, "run", data_root)
+    code, out = finish(proc, "uninterrupted run")
+    assert code == 0, out[-3000:]
+    return final_state(str(tmp / "out"))
+
+
+def assert_resumes_to(tmp, data_root, stopped_at, expected):
+    ckpt = os.path.join(str(tmp / "out"), "checkpoints", f"step_{stopped_at:08d}")
+    assert os.path.isfile(os.path.join(ckpt, "meta.json")), "no checkpoint at the stop"
+    proc, logs = launch(tmp, "resume", data_root)  # the same command: Global.checkpoint=auto
+    code, out = finish(proc, "resumed run")
+    assert code == 0, out[-3000:]
+    assert "Global.checkpoint=auto: resuming from" in worker_logs(logs)[0]
+    got = final_state(str(tmp / "out"))
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted):
+    proc, logs = launch(tmp_path, "stop", data_root, signal_rank=1, signal_step=3)
+    code, out = finish(proc, "signalled run")
+    assert code == PREEMPTED_EXIT_CODE, out[-3000:]  # the launcher passes the ranks' status on
+    assert stop_steps(logs) == [3, 3], [t[-2000:] for t in worker_logs(logs)]
+    assert_resumes_to(tmp_path, data_root, 3, uninterrupted)
+
+
+def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted):
+    proc, logs = launch(tmp_path, "stop", data_root, pause=0.5)
+    deadline = time.time() + 120
+    log0 = os.path.join(logs, "workerlog.0")
+    while time.time() < deadline:  # wait until the run is between steps 2 and STEPS
+        if os.path.isfile(log0) and re.search(r"step [2-9]/8", open(log0).read()):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, out = finish(proc, "run whose launcher got SIGTERM")
+    assert code == signal.SIGTERM, out[-3000:]  # Paddle's launcher exits with the signal number
+    assert all("plsc: preempted: stopped at step" in t for t in worker_logs(logs))
+    steps = stop_steps(logs)
+    assert steps[0] is not None and steps[0] == steps[1] and steps[0] < STEPS, \
+        [t[-2000:] for t in worker_logs(logs)]
+    assert_resumes_to(tmp_path, data_root, steps[0], uninterrupted)
