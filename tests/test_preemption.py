@@ -187,3 +187,51 @@ def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root
     assert steps[0] is not None and steps[0] == steps[1] and steps[0] < STEPS, \
         [t[-2000:] for t in worker_logs(logs)]
     assert_resumes_to(tmp_path, data_root, steps[0], uninterrupted)
+
+
+def test_peer_failures_are_recognised():
+    from plsc.engine.preemption import peer_failure
+    reset = RuntimeError("[/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:576] Read error "
+                         "[127.0.0.1]:30631: Connection reset by peer")
+    assert peer_failure(reset, 0, 2) == (1, "Read error [127.0.0.1]:30631: Connection reset by peer")
+    assert peer_failure(reset, 2, 4)[0] is None  # an address, not a rank
+    timeout = RuntimeError("[gloo/transport/tcp/pair.cc:1] TIMEOUT self_rank = 0 pair_rank = 3")
+    assert peer_failure(timeout, 0, 4)[0] == 3
+    assert peer_failure(RuntimeError("DataLoader timed out"), 0, 2) is None
+    assert peer_failure(RuntimeError("shapes do not match"), 0, 2) is None
+
+
+def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path, data_root):
+    """Rank 1 is killed (SIGKILL) after step 3; rank 0 exits within seconds with one line
+    naming rank 1 and no traceback, and `latest` (the step-2 checkpoint) still loads."""
+    cfg = write_config(str(tmp_path / "config.yaml"), data_root, str(tmp_path / "out"))
+    with open(cfg) as f:
+        raw = yaml.safe_load(f)
+    raw["Checkpoint"]["interval"] = 2
+    with open(cfg, "w") as f:
+        yaml.safe_dump(raw, f)
+    logs = str(tmp_path / "logs")
+    worker = str(tmp_path / "kill_worker.py")
+    with open(os.path.join(HERE, "preempt_worker.py")) as f:
+        source = f.read().replace("signal.SIGTERM)", "signal.SIGKILL)")
+    with open(worker, "w") as f:
+        f.write(source.replace('HERE = os.path.dirname(os.path.abspath(__file__))',
+                               f'HERE = {HERE!r}'))
+    start = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
+                             "2", "--log_dir", logs, worker, "1", "3", "0", "-c", cfg],
+                            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    code, out = finish(proc, "run with a killed rank")
+    assert code != 0
+    assert time.time() - start < 120
+    log0 = open(os.path.join(logs, "workerlog.0")).read()
+    lines = [line for line in log0.splitlines() if line.startswith("plsc: rank 0:")]
+    assert len(lines) == 1, log0[-3000:]
+    assert "rank 1 stopped answering after step 3" in lines[0]
+    assert "step_00000002" in lines[0]
+    assert "Traceback" not in log0
+    latest = find_checkpoint("latest", str(tmp_path / "out"))
+    assert latest.endswith("step_00000002")
+    from plsc.engine.head_store import load_head_rows
+    assert load_head_rows(latest, "weight", 0, CLASSES).shape[0] == CLASSES

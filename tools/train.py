@@ -5,7 +5,8 @@
 
 On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a checkpoint is
 written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
-same command resumes from it.
+same command resumes from it. When another rank dies, the others exit with status 69 and
+one line naming it.
 """
 import os
 import sys
@@ -17,12 +18,15 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 
 def train(cfg):
     from plsc.engine import Trainer
-    from plsc.engine.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from plsc.engine.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
     try:
         Trainer(cfg).train()
     except Preempted as err:
         print(f"plsc: {err}", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
+    except RankLost as err:
+        print(f"plsc: {err}", file=sys.stderr, flush=True)
+        return RANK_LOST_EXIT_CODE
 
 
 def main(argv=None):

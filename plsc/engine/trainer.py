@@ -1,4 +1,5 @@
 """The training loop: data-parallel backbone, model-parallel head."""
+import contextlib
 import json
 import os
 
@@ -17,7 +18,7 @@ from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_hea
                          local_optimizer_state, portable_optimizer_state, restore_rng)
 from .evaluator import VerificationEvaluator
 from .logger import TrainLogger
-from .preemption import Preempted, StopSignals
+from .preemption import Preempted, RankLost, StopSignals, peer_failure
 
 __all__ = ["Trainer"]
 
@@ -229,7 +230,7 @@ class Trainer:
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
             self.evaluate()
-        with StopSignals() as stop:
+        with StopSignals() as stop, self._rank_failures():
             while self.step < self.total_steps:
                 micro = []
                 for images, labels in self._loader():
@@ -252,6 +253,21 @@ class Trainer:
                     self.batch_in_epoch = 0
         self.log.close()
         return self.history
+
+    @contextlib.contextmanager
+    def _rank_failures(self):
+        """Turn a collective's error about a dead or silent rank into `RankLost`."""
+        try:
+            yield
+        except RuntimeError as err:
+            found = peer_failure(err, self.rank, self.world)
+            if found is None:
+                raise
+            root = os.path.join(self.output_dir, "checkpoints")
+            lost = RankLost(self.rank, self.step, found[0], found[1],
+                            find_checkpoint("auto", self.output_dir) if os.path.isdir(root) else None)
+            self.log.close()
+            raise lost from None
 
     def _stop(self, signum):
         """A rank was asked to stop: checkpoint this step (unless just done) and raise."""
