@@ -211,17 +211,12 @@ def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path, data_root):
     with open(cfg, "w") as f:
         yaml.safe_dump(raw, f)
     logs = str(tmp_path / "logs")
-    worker = str(tmp_path / "kill_worker.py")
-    with open(os.path.join(HERE, "preempt_worker.py")) as f:
-        source = f.read().replace("signal.SIGTERM)", "signal.SIGKILL)")
-    with open(worker, "w") as f:
-        f.write(source.replace('HERE = os.path.dirname(os.path.abspath(__file__))',
-                               f'HERE = {HERE!r}'))
     start = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
-                             "2", "--log_dir", logs, worker, "1", "3", "0", "-c", cfg],
-                            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "2", "--log_dir", logs, os.path.join(HERE, "preempt_worker.py"), "1",
+                             "3", "0", "-c", cfg], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PREEMPT_SIGNAL="KILL"))
     code, out = finish(proc, "run with a killed rank")
     assert code != 0
     assert time.time() - start < 120

@@ -28,14 +28,16 @@ class TrainLogger:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if not self.log.handlers:
-            self.log.setLevel(logging.INFO)
-            fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
-            for handler in (logging.StreamHandler(sys.stdout),
-                            logging.FileHandler(os.path.join(output_dir, "train.log"))):
-                handler.setFormatter(fmt)
-                self.log.addHandler(handler)
-            self.log.propagate = False
+        for handler in list(self.log.handlers):  # an earlier run of this process: its own file
+            self.log.removeHandler(handler)
+            handler.close()
+        self.log.setLevel(logging.INFO)
+        fmt = logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S")
+        for handler in (logging.StreamHandler(sys.stdout),
+                        logging.FileHandler(os.path.join(output_dir, "train.log"))):
+            handler.setFormatter(fmt)
+            self.log.addHandler(handler)
+        self.log.propagate = False
         if visualdl:
             from visualdl import LogWriter  # imported lazily: it is slow to import
             self.writer = LogWriter(logdir=os.path.join(output_dir, "vdl"))
