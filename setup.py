@@ -37,7 +37,9 @@ setup(
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],
         "onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.16"],
-        "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16"],
+        # paddle.distributed.launch --master etcd://... (automatic restart) imports etcd3
+        "elastic": ["etcd3>=0.12"],
+        "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16", "etcd3>=0.12"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,0 +1,100 @@
+"""Automatic restart through Paddle's own elastic launcher: with an etcd master,
+`paddle.distributed.launch --elastic_level 1 --max_restart N` restarts the ranks after one is
+killed, `Global.checkpoint: auto` resumes them, and the run ends with the uninterrupted run's
+weights bit for bit.
+
+Needs the etcd server (Debian: etcd-server) and its Python client (`pip install
+plsc[elastic]`, i.e. etcd3, imported with PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python);
+skipped where either is missing (CI installs neither).
+"""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from test_preemption import HERE, finish, final_state, launch, write_config, worker_logs
+
+ENV = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
+
+
+def _etcd3_importable():
+    return subprocess.run([sys.executable, "-c", "import etcd3"], env=ENV,
+                          capture_output=True).returncode == 0
+
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None or not _etcd3_importable(),
+                                reason="needs the etcd server and the etcd3 client")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    client, peer = free_port(), free_port()
+    proc = subprocess.Popen(["etcd", "--data-dir", str(tmp_path / "etcd"),
+                             "--listen-client-urls", f"http://127.0.0.1:{client}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", client)) == 0:
+                break
+        time.sleep(0.2)
+    yield f"etcd://127.0.0.1:{client}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def data_root(tmp_path_factory):
+    from engine_common import make_data
+    return make_data(str(tmp_path_factory.mktemp("synthetic")))
+
+
+def test_killed_rank_is_restarted_and_the_run_finishes_exactly(tmp_path, data_root, etcd):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    proc, _ = launch(plain, "run", data_root)
+    code, out = finish(proc, "uninterrupted run")
+    assert code == 0, out[-3000:]
+    expected = final_state(str(plain / "out"))
+
+    run = tmp_path / "elastic"
+    run.mkdir()
+    cfg = write_config(str(run / "config.yaml"), data_root, str(run / "out"))
+    with open(cfg) as f:
+        raw = yaml.safe_load(f)
+    raw["Checkpoint"]["interval"] = 2  # the restart resumes from step 2
+    with open(cfg, "w") as f:
+        yaml.safe_dump(raw, f)
+    logs = str(run / "logs")
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--master", etcd, "--nnodes", "1",
+           "--nproc_per_node", "2", "--elastic_level", "1", "--max_restart", "3",
+           "--job_id", f"plsc_{os.getpid()}", "--log_dir", logs,
+           os.path.join(HERE, "preempt_worker.py"), "1", "3", "0", "-c", cfg]
+    env = dict(ENV, PREEMPT_SIGNAL="KILL", PREEMPT_ONCE=str(run / "killed_once"))
+    proc = subprocess.Popen(cmd, cwd=str(run), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    code, out = finish(proc, "elastic run")
+    assert code == 0, out[-4000:]
+    assert os.path.exists(run / "killed_once"), "rank 1 was never killed"
+    assert "Pod failed" in out and "Pod completed" in out
+    log0 = worker_logs(logs)[0]  # both runs of rank 0, one after the other
+    assert "rank 1 stopped answering after step 3" in log0
+    assert "resuming from" in log0 and "step_00000002 at step 2" in log0
+    got = final_state(str(run / "out"))
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
