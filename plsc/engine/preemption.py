@@ -73,7 +73,8 @@ def peer_failure(err, rank, world_size):
 
 class StopSignals:
     """Within `with StopSignals() as stop:`, SIGTERM and SIGINT are recorded instead of ending
-    the process (only where handlers can be installed: the main thread)."""
+    the process (only where handlers can be installed: the main thread). After the first,
+    SIGTERMs are counted; a second SIGINT (Ctrl-C again) raises KeyboardInterrupt."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -95,10 +96,12 @@ class StopSignals:
         return False
 
     def _record(self, signum, frame):
-        if self.signum:
-            self.repeats += 1
-        else:
+        if not self.signum:
             self.signum = int(signum)
+            return
+        self.repeats += 1
+        if signum == signal.SIGINT:  # Ctrl-C twice: the user means it (a save stays atomic)
+            raise KeyboardInterrupt
 
     def agreed(self, group=None):
         """The signal any rank of `group` received so far (0: none), the same on every rank.
