@@ -133,6 +133,15 @@ def _fused(args, dtype):
     return args.fused and (dtype != "float32" or args.fused_fp32)
 
 
+def local_batch(args, rank):
+    """(rng, embeddings `[batch, d]` that want a gradient, labels `[batch]`) of this rank."""
+    rng = np.random.RandomState(args.seed + rank)
+    x = paddle.to_tensor(rng.normal(size=(args.batch_size, args.embedding_size)).astype("float32"))
+    x.stop_gradient = False
+    y = paddle.to_tensor(rng.randint(0, args.num_classes, args.batch_size).astype("int64"))
+    return rng, x, y
+
+
 def make_step(head, opt, x, y, fused):
     """forward + backward (+ the update: separate, or inside the backward when `fused`)."""
     def step():
@@ -155,10 +164,7 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
     fused = _fused(args, dtype)
     opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
         if args.update or args.fused else None
-    rng = np.random.RandomState(args.seed + rank)
-    x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
-    x.stop_gradient = False
-    y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    rng, x, y = local_batch(args, rank)
     step = make_step(head, opt, x, y, fused)
 
     def clear():  # free (not zero) the gradients, so each step allocates its own
@@ -250,10 +256,7 @@ def bench_dtypes(args, ratio, rank, world, chunk):
     ratio is measured under the same machine conditions."""
     d, b = args.embedding_size, args.batch_size
     n = b * world
-    rng = np.random.RandomState(args.seed + rank)
-    x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
-    x.stop_gradient = False
-    y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    rng, x, y = local_batch(args, rank)
     runs = {}
     for dtype in args.param_dtype:
         head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
@@ -308,10 +311,7 @@ def capacity(args, ratio, rank, world, chunk, dtype):
                      seed=args.seed, chunk_size=chunk, param_dtype=dtype)
     init_peak = meter.peak()
     opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
-    rng = np.random.RandomState(args.seed + rank)
-    x = paddle.to_tensor(rng.normal(size=(b, d)).astype("float32"))
-    x.stop_gradient = False
-    y = paddle.to_tensor(rng.randint(0, args.num_classes, b).astype("int64"))
+    rng, x, y = local_batch(args, rank)
     fused = _fused(args, dtype)
     step = make_step(head, opt, x, y, fused)
     step()  # creates the momentum

@@ -21,11 +21,12 @@ import numpy as np
 import paddle
 
 from ..distributed import ClassPartition
-from ..optim.rounding import round_to
+from ..numerics import STORAGE_DTYPES, cast_nearest
 
 __all__ = ["atomic_write", "write_bytes", "read_meta", "array_dtype", "save_rows_npy",
            "head_dtype", "load_head_rows", "load_head_rows_into", "reshard_checkpoint",
            "export_classifier", "import_classifier"]
+
 
 def atomic_write(path, write):
     tmp = path + ".part"
@@ -51,7 +52,6 @@ _SLAB_BYTES = 32 << 20  # rows a streamed save or load copies at a time
 # How each head array dtype is stored in a .npy (numpy has no bfloat16: its bits, as uint16).
 _NPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                "float64": np.float64, "int64": np.int64}
-_FLOATS = ("float32", "bfloat16", "float16")
 
 
 def array_dtype(array):
@@ -135,7 +135,7 @@ def _to_storage(x, dtype):
     """Float rows `x` (numpy) as a checkpoint stores head dtype `dtype`, rounded to nearest
     even (bfloat16: its bits as uint16)."""
     if dtype == "bfloat16":
-        return round_to(paddle.to_tensor(_float32_round_to_odd(x)), "bfloat16", "nearest").numpy()
+        return cast_nearest(paddle.to_tensor(_float32_round_to_odd(x)), "bfloat16").numpy()
     return x.astype(_NPY_DTYPES[dtype])
 
 
@@ -145,8 +145,7 @@ def _to_tensor(rows, stored, dtype):
     if stored == dtype:
         return paddle.to_tensor(rows)  # uint16 -> bfloat16: the same bits
     x = _bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)
-    x = paddle.to_tensor(x)
-    return round_to(x, dtype, "nearest") if dtype in _FLOATS else x.astype(dtype)
+    return cast_nearest(paddle.to_tensor(x), dtype)
 
 
 def read_meta(path):
@@ -215,11 +214,13 @@ def _read_rows(file, lo, hi):
     return np.array(np.load(file, mmap_mode="r")[lo:hi])
 
 
-def load_head_rows(path, name, class_start, num_local):
+def load_head_rows(path, name, class_start, num_local, meta=None):
     """Rows [class_start, class_start + num_local) of head array `name` as stored (bfloat16:
-    uint16 bits, see `head_dtype`), whatever the world size the checkpoint was written with."""
+    uint16 bits, see `head_dtype`), whatever the world size the checkpoint was written with.
+    `meta`: the checkpoint's meta.json, when the caller has read it already."""
+    meta = read_meta(path) if meta is None else meta
     return np.concatenate([_read_rows(file, lo, hi) for file, lo, hi, _ in
-                           _head_pieces(path, read_meta(path), name, class_start, num_local)])
+                           _head_pieces(path, meta, name, class_start, num_local)])
 
 
 def load_head_rows_into(path, name, class_start, tensor, meta=None):
@@ -231,7 +232,7 @@ def load_head_rows_into(path, name, class_start, tensor, meta=None):
     nearest even."""
     meta = read_meta(path) if meta is None else meta
     stored, dtype = head_dtype(path, name, meta), array_dtype(tensor)
-    if stored != dtype and not (stored in _FLOATS and dtype in _FLOATS):
+    if stored != dtype and not (stored in STORAGE_DTYPES and dtype in STORAGE_DTYPES):
         raise TypeError(f"cannot load head array {name!r} of checkpoint {path} (stored as "
                         f"{stored}) into a {dtype} tensor; expected float32, bfloat16 or float16")
     row_shape = tuple(int(d) for d in tensor.shape[1:])
@@ -285,11 +286,11 @@ def reshard_checkpoint(src, dst, world_size):
 
     RNG states are per rank and are not carried over (the resumed run seeds anew).
     """
-    meta = read_meta(src)
-    part = ClassPartition(meta["num_classes"], world_size)  # raises for an impossible split
-    meta = dict(meta, world_size=int(world_size), shard_size=part.shard_size)
-    return _copy_checkpoint(src, dst, meta,
-                            lambda name, start, count: load_head_rows(src, name, start, count))
+    src_meta = read_meta(src)
+    part = ClassPartition(src_meta["num_classes"], world_size)  # raises for an impossible split
+    meta = dict(src_meta, world_size=int(world_size), shard_size=part.shard_size)
+    return _copy_checkpoint(src, dst, meta, lambda name, start, count: load_head_rows(
+        src, name, start, count, src_meta))
 
 
 def export_classifier(src, path, name="weight"):
@@ -297,12 +298,12 @@ def export_classifier(src, path, name="weight"):
     streamed by slabs: a bfloat16 array as float32 (exact), float16 and float32 as stored."""
     meta = read_meta(src)
     dtype = head_dtype(src, name, meta)
-    shape = (meta["num_classes"],) + load_head_rows(src, name, 0, 1).shape[1:]
+    shape = (meta["num_classes"],) + load_head_rows(src, name, 0, 1, meta).shape[1:]
     out = np.float32 if dtype == "bfloat16" else _NPY_DTYPES.get(dtype, dtype)
     step = _slab_rows(shape[1:])
 
     def slab(lo):
-        rows = load_head_rows(src, name, lo, min(step, shape[0] - lo))
+        rows = load_head_rows(src, name, lo, min(step, shape[0] - lo), meta)
         return _bfloat16_to_float32(rows) if dtype == "bfloat16" else rows
 
     _stream_npy(path, out, shape, (slab(lo) for lo in range(0, shape[0], step)))
@@ -324,7 +325,7 @@ def import_classifier(src, dst, weight_path, bias_path=None):
         if name in new:
             return _to_storage(np.asarray(new[name][start:start + count]),
                                head_dtype(src, name, meta))
-        old = load_head_rows(src, name, start, count)
+        old = load_head_rows(src, name, start, count, meta)
         replaced = any(name.startswith(f"opt.{n}.") for n in new)
         return np.zeros_like(old) if replaced else old
 
@@ -336,7 +337,7 @@ def _open_import(src, meta, name, file):
     if name not in meta["head_arrays"]:
         raise KeyError(f"checkpoint {src} has no head array {name!r}")
     array = np.load(file, mmap_mode="r")
-    expect = (meta["num_classes"],) + load_head_rows(src, name, 0, 1).shape[1:]
+    expect = (meta["num_classes"],) + load_head_rows(src, name, 0, 1, meta).shape[1:]
     if array.dtype.kind != "f" or array.shape != expect:
         raise ValueError(f"{file} holds {array.dtype} of shape {array.shape}; expected a float "
                          f"array (float16, float32 or float64) of shape {expect} for {name!r} "

@@ -166,8 +166,7 @@ class Trainer:
         if self.fused_head_update:  # the head's rows are updated inside the backward
             self.head.row_update = self.head_opt.fused_update(self.head)
         loss = self.head(emb, labels)
-        (loss * (self.scaler.scale * loss_factor)).backward()
-        self.head.row_update = None
+        (loss * (self.scaler.scale * loss_factor)).backward()  # end_fused_step clears row_update
         return self.head.loss_value(loss)  # the step's one host read; raises for bad labels
 
     def optimizer_step(self):
@@ -263,9 +262,8 @@ class Trainer:
             found = peer_failure(err, self.rank, self.world)
             if found is None:
                 raise
-            root = os.path.join(self.output_dir, "checkpoints")
             lost = RankLost(self.rank, self.step, found[0], found[1],
-                            find_checkpoint("auto", self.output_dir) if os.path.isdir(root) else None)
+                            find_checkpoint("auto", self.output_dir))
             self.log.close()
             raise lost from None
 

@@ -255,13 +255,13 @@ class _ParallelSoftmaxCE(PyLayer):
         # Where the gradients go: the bias's into an array; the weight's into an array the
         # backward returns, over Partial FC's scratch rows, or into the optimizer's update.
         ctx.d_b = paddle.empty(bias.shape, dtype="float32") if ctx.has_bias else None
-        ctx.d_w, ctx.sink = None, None
+        ctx.d_w = ctx.sink = d_w = None  # d_w: the weight gradient returned
         if ctx.row_update is not None:  # no weight gradient array at all
-            ctx.sink = lambda lo, hi, g_w, _: ctx.row_update(lo, hi, g_w, None)
+            ctx.sink = ctx.row_update
         elif ctx.need_w and ctx.grad_into_weight:
-            ctx.sink = _over_weight(weight)
+            ctx.sink, d_w = _over_weight(weight), weight
         elif ctx.need_w:
-            ctx.d_w = paddle.empty(weight.shape, dtype="float32")
+            ctx.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
         buf, ctx.exp_logits = ctx.exp_logits, None
         for block in blocks:  # recomputing the logits the forward dropped (chunked path)
             w = _rows_f32(weight, block.start, block.stop)
@@ -274,7 +274,6 @@ class _ParallelSoftmaxCE(PyLayer):
             _block_backward(ctx, block, block_buf, w, row_scale, d_x)
             del block_buf, w
             _give_back(ctx, block)
-        d_w = weight if ctx.sink is not None and ctx.row_update is None else ctx.d_w
         d_b = ctx.d_b
         if ctx.row_update is not None and d_b is not None:  # the bias's update, at once
             ctx.row_update(0, d_b.shape[0], None, d_b)
