@@ -16,12 +16,13 @@ def config_parser(description, override_example="-o Global.checkpoint=latest"):
     return parser
 
 
-def run_tool(args, task, *extra):
+def run_tool(args, task, *extra, expected=()):
     """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code (the task's
-    own when it returns an int, e.g. a preempted training's)."""
+    own when it returns an int, e.g. a preempted training's). A ConfigError, a
+    FileNotFoundError or an exception of the types `expected` prints one line and gives 2."""
     try:
         code = task(load_config(args.config, args.override), *extra)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, *expected) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return code if type(code) is int else 0

@@ -54,13 +54,18 @@ SCHEMA = {
         "dropout": _k(NUM, 0.0, "dropout before the embedding layer"),
     },
     "Loss": {
-        "margin": _k(str, "arcface", "arcface, cosface, sphereface, combined or softmax",
-                     choices=("arcface", "cosface", "sphereface", "combined", "softmax")),
+        "margin": _k(str, "arcface", "arcface, cosface, sphereface, combined, adaface or softmax",
+                     choices=("arcface", "cosface", "sphereface", "combined", "adaface", "softmax")),
         "scale": _k(NUM, 64.0, "logit scale s"),
         "m1": _k(NUM, 1.0, "multiplicative angular margin (combined, sphereface)"),
         "m2": _k(NUM, 0.5, "additive angular margin (combined, arcface)"),
         "m3": _k(NUM, 0.0, "additive cosine margin (combined, cosface)"),
         "straight_through": _k(bool, False, "insightface's margin gradient instead of the exact one"),
+        "adaface_m": _k(NUM, 0.4, "AdaFace margin m"),
+        "adaface_h": _k(NUM, 0.333, "AdaFace h: how far the feature norm moves the margin"),
+        "adaface_t_alpha": _k(NUM, 0.01, "AdaFace momentum of the running norm statistics"),
+        "sub_centers": _k(int, 1, "centres per class (sub-center ArcFace; normalised margins); "
+                          "a class's cosine is the largest of its centres'"),
         "num_classes": _k(int, REQUIRED, "number of identities"),
         "sample_ratio": _k(NUM, 1.0, "Partial FC ratio of class centres per step, in (0, 1]"),
         "chunk_size": _k(int, None, "classes per block of the logit-free head; null: automatic "
@@ -202,6 +207,12 @@ def _check_ranges(cfg, source):
     need(0.0 < loss["sample_ratio"] <= 1.0,
          f"Loss.sample_ratio must be in (0, 1], got {loss['sample_ratio']}")
     need(loss["scale"] > 0, f"Loss.scale must be > 0, got {loss['scale']}")
+    need(loss["sub_centers"] >= 1, f"Loss.sub_centers must be >= 1, got {loss['sub_centers']}")
+    need(loss["sub_centers"] == 1 or loss["margin"] != "softmax",
+         f"Loss.sub_centers={loss['sub_centers']} needs a normalised margin (arcface, cosface, "
+         "sphereface, combined or adaface), not softmax")
+    need(0.0 <= loss["adaface_t_alpha"] <= 1.0,
+         f"Loss.adaface_t_alpha must be in [0, 1], got {loss['adaface_t_alpha']}")
     need(loss["chunk_size"] is None or loss["chunk_size"] >= 0,
          f"Loss.chunk_size must be null, 0 or positive, got {loss['chunk_size']}")
     need(loss["logits_budget_mb"] > 0, f"Loss.logits_budget_mb must be > 0, got {loss['logits_budget_mb']}")

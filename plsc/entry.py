@@ -102,6 +102,21 @@ class Entry:
                 self._set("Loss", key, float(value))
         return self
 
+    def set_adaface(self, scale=None, m=None, h=None, t_alpha=None):
+        """Train with the AdaFace margin (defaults: s=64, m=0.4, h=0.333, t_alpha=0.01)."""
+        self._set("Loss", "margin", "adaface")
+        for key, value in (("scale", scale), ("adaface_m", m), ("adaface_h", h),
+                           ("adaface_t_alpha", t_alpha)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise ValueError(f"AdaFace {key} must be a number, got {value!r}")
+                self._set("Loss", key, float(value))
+        return self
+
+    def set_sub_centers(self, k):
+        """K centres per class (sub-center ArcFace); 1 turns them off."""
+        return self._set("Loss", "sub_centers", _positive_int("sub_centers", k))
+
     def set_sample_ratio(self, ratio):
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 < ratio <= 1:
             raise ValueError(f"sample_ratio must be in (0, 1], got {ratio!r}")

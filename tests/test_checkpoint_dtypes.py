@@ -254,7 +254,8 @@ def _fake_trainer(weight_dtype, state_dtype, class_start, rows):
     from plsc.optim import SparseMomentum
     weight = paddle.create_parameter([rows, D], weight_dtype,
                                      default_initializer=paddle.nn.initializer.Constant(0.0))
-    head = SimpleNamespace(weight=weight, bias=None, sampled_index=None, class_start=class_start)
+    head = SimpleNamespace(weight=weight, bias=None, sampled_index=None, sampled_rows=None,
+                           class_start=class_start, num_local=rows, sub_centers=1)
     fake = SimpleNamespace(head=head, head_opt=SparseMomentum(0.1, state_dtype=state_dtype))
     fake._head_arrays = Trainer._head_arrays.__get__(fake)
     return fake, lambda path: Trainer._resume_head(fake, path, ckpt.read_meta(path))

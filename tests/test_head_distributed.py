@@ -103,3 +103,23 @@ def test_fused_update_equals_separate_bit_for_bit(world_size, name, tmp_path_fac
     assert "weight" in result and "fused_left_a_gradient" in result
     assert len(result["weight"]) == world_size
     assert not fused_failures(result), fused_failures(result)
+
+
+def _issue13_cases():
+    from head_ranks import (ADAFACE_CASES, SUBCENTER_CASES, adaface_case_name,
+                            subcenter_case_name)
+    names = [subcenter_case_name(m, c, r, ch, k) for m, c, r, ch, k, _ in SUBCENTER_CASES]
+    names += [adaface_case_name(*c) for c in ADAFACE_CASES]
+    return names + ["adaface-steps"]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", _issue13_cases())
+def test_adaface_and_subcenters_match_oracle(world_size, name, tmp_path_factory):
+    """AdaFace on data hitting every clamp (dense, chunked, Partial FC; the running statistics
+    after one and after three steps, then eval mode) and sub-centres (K = 2 ArcFace dense and
+    chunked, K = 3 CosFace with Partial FC; ties between centres) on uneven class splits,
+    against the float64 oracle on rank 0."""
+    errs = case(world_size, name, tmp_path_factory)
+    for key, (err, allowed) in errs.items():
+        assert err <= allowed, (key, err, allowed)

@@ -17,6 +17,10 @@ class StubHead:
     """What the optimizers read of a PartialFC: weight, bias, rank, and after a backward the
     sampled rows' index with float32 gradients on the gathered rows (or `weight.grad`)."""
 
+    @property
+    def sampled_rows(self):  # one centre a class: the weight rows are the classes
+        return self.sampled_index
+
     def __init__(self, w, b, dtype, rank=0):
         self.weight = _param(w, dtype)
         self.bias = _param(b, dtype) if b is not None else None

@@ -95,6 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=128,
                    help="per-rank batch; the global batch N is this times the world size (default 128)")
     p.add_argument("--margin", default="arcface", choices=sorted(MARGINS), help="default arcface")
+    p.add_argument("--sub-centers", type=int, default=1,
+                   help="centres per class (the GEMM bound then covers all K·C rows; default 1)")
     p.add_argument("--sample-ratio", type=float, nargs="+", default=[1.0],
                    help="Partial FC ratio(s), each measured in turn (default 1.0)")
     p.add_argument("--chunk-size", type=int, nargs="+", default=[0],
@@ -160,7 +162,8 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
     d, b = args.embedding_size, args.batch_size
     n = b * world
     head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
-                     seed=args.seed, chunk_size=chunk, param_dtype=dtype)
+                     seed=args.seed, chunk_size=chunk, param_dtype=dtype,
+                     sub_centers=args.sub_centers)
     fused = _fused(args, dtype)
     opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
         if args.update or args.fused else None
@@ -216,7 +219,7 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
     # with fresh outputs (as any op allocates them), and into outputs allocated once
     # (the arithmetic alone, without the first touch of fresh memory).
     feats = paddle.randn([n, d])
-    w = paddle.randn([head.num_sample, d])
+    w = paddle.randn([head.num_sample * head.sub_centers, d])
     logits = paddle.matmul(feats, w, transpose_y=True)
     outs = [paddle.ones_like(logits), paddle.ones_like(feats), paddle.ones_like(w)]
     gemms = [(lambda o: paddle.matmul(feats, w, transpose_y=True, out=o)),
@@ -233,10 +236,11 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
         extra.update(dense_step_time_s=round(t["dense_step"], 4),
                      dense_ratio=round(step_time / t["dense_step"], 3))
 
-    buffer_bytes = n * head.num_local * 4
+    buffer_bytes = n * head.num_local * head.sub_centers * 4
     return {**extra,
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
-        "margin": args.margin, "num_classes": args.num_classes, "num_local": head.num_local,
+        "margin": args.margin, "sub_centers": args.sub_centers, "num_classes": args.num_classes,
+        "num_local": head.num_local,
         "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
         "num_sample": head.num_sample, "update": opt is not None, "param_dtype": dtype,
         "fused": fused,

@@ -9,8 +9,9 @@ loads); use it to prepare a checkpoint once, or to move the classifier in and ou
 
 Head arrays keep their dtype (meta.json `head_dtypes`): re-sharding copies the stored
 bits. --export writes what plain numpy reads: a bfloat16 array as float32 (exact), a
-float16 or float32 array as stored. --import takes a float16/32/64 array and stores it
-in the checkpoint's dtype for that array (16 bits: rounded to nearest even).
+float16 or float32 array as stored; with K sub-centres the weight is [C, K, d]. --import
+takes a float16/32/64 array and stores it in the checkpoint's dtype for that array (16 bits:
+rounded to nearest even).
 """
 import argparse
 import os
@@ -33,7 +34,8 @@ def main(argv=None):
     p.add_argument("--array", default="weight",
                    help="head array to export: weight, bias, opt.weight.velocity, ... (default weight)")
     p.add_argument("--import", dest="import_", metavar="NPY",
-                   help="classifier [C, d] to put in (any float dtype; stored in the checkpoint's)")
+                   help="classifier [C, d] ([C, K, d] with K sub-centres) to put in (any float "
+                   "dtype; stored in the checkpoint's)")
     p.add_argument("--import-bias", metavar="NPY", help="bias [C] to put in (softmax heads)")
     p.add_argument("--output", help="new checkpoint folder (for --world-size and --import)")
     a = p.parse_args(argv)

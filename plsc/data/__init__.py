@@ -3,11 +3,14 @@
 Reads and writes insightface's files without MXNet: RecordIO training sets
 (``train.rec``/``train.idx``/``property``) and verification packs
 (``lfw.bin`` ...); datasets over recs, image folders and list files; a
-distributed batch sampler; and a synthetic-identity generator.
+distributed batch sampler; a synthetic-identity generator; and IJB-B/IJB-C
+protocols with five-point face alignment.
 """
+from .align import ARCFACE_POINTS, align_face, reference_points, similarity_transform
 from .datasets import ImageFolderDataset, ImageListDataset, RecordIODataset
 from .errors import DataError
 from .facerec import image_keys, read_property, write_face_rec, write_property
+from .ijb import IJBFaceDataset, IJBMeta, check_ijb_images, ijb_paths, read_ijb_meta
 from .recordio import RecordIOReader, RecordIOWriter
 from .sampler import DistributedBatchSampler
 from .synthetic import generate as generate_synthetic
@@ -18,5 +21,7 @@ __all__ = [
     "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "DataError", "RecordIOReader",
     "RecordIOWriter", "read_property", "write_property", "image_keys", "write_face_rec",
     "DistributedBatchSampler", "generate_synthetic", "FaceTransform", "decode_image", "read_verification_bin",
-    "write_verification_bin", "load_verification_arrays",
+    "write_verification_bin", "load_verification_arrays", "ARCFACE_POINTS", "reference_points",
+    "similarity_transform", "align_face", "IJBMeta", "ijb_paths", "read_ijb_meta", "check_ijb_images",
+    "IJBFaceDataset",
 ]

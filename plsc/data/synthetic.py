@@ -6,16 +6,20 @@ affine jitter (rotation, scale, shift), lighting (contrast, brightness, a
 directional gradient), colour gains, blur and noise. A model must learn
 which differences are nuisance to tell unseen identities apart, so a net
 trained on the training identities generalises to the held-out ones.
+
+`generate_ijb` writes an IJB-B/IJB-C style layout (insightface's IJB release:
+meta files and loose crops with five landmarks) of such identities.
 """
 import os
 
 import cv2
 import numpy as np
 
+from .align import reference_points
 from .facerec import write_face_rec
 from .verification import write_verification_bin
 
-__all__ = ["make_template", "make_prototype", "render_sample", "generate"]
+__all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb"]
 
 
 def make_template(rng, size, num_parts=6):
@@ -99,3 +103,70 @@ def generate(out_dir, image_size=56, num_identities=1000, images_per_identity=16
     write_verification_bin(val_path, [_encode(render_sample(p, rng, strength), quality) for p in pairs], same)
     return {"root": out_dir, "num_images": len(labels), "num_classes": num_identities, "image_size": image_size,
             "val_bin": val_path, "num_pairs": num_pairs}
+
+
+def _loose_crop_similarity(rng, face_size, crop_size):
+    """2x3 matrix placing an aligned face of `face_size` inside a `crop_size` loose crop,
+    turned by up to 25 degrees, covering about 50-80% of it, shifted a little."""
+    angle = rng.uniform(-25, 25)
+    scale = rng.uniform(0.8, 1.3) * 0.6 * crop_size / face_size
+    m = cv2.getRotationMatrix2D((face_size / 2, face_size / 2), angle, scale)
+    m[:, 2] += crop_size / 2 - face_size / 2 + rng.uniform(-0.08, 0.08, 2) * crop_size
+    return m
+
+
+def generate_ijb(root, target="ijbc", num_identities=6, templates_per_identity=3, face_size=48,
+                 crop_size=72, max_pairs=None, seed=0, strength=0.6, ext=".jpg"):
+    """Write ``root/meta/<target>_{face_tid_mid,name_5pts_score,template_pair_label}.txt`` and
+    ``root/loose_crop/<i><ext>``; return the protocol as arrays in the order of the image lines.
+
+    Each template is one identity's 1-3 medias of 1-3 images; an image is a rendered
+    sample of its identity as an aligned face of `face_size` pixels (its landmarks
+    the reference points) warped into a `crop_size` loose crop by a random
+    similarity, the landmarks moved alike. Template ids are not contiguous, media ids
+    repeat across templates, image lines are shuffled, detector scores lie in
+    [0.3, 1). Pairs are all template pairs (label 1 for the same identity), or
+    `max_pairs` of them drawn at random.
+    """
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(root, "meta"), exist_ok=True)
+    os.makedirs(os.path.join(root, "loose_crop"), exist_ok=True)
+    layout = make_template(rng, face_size)
+    protos = [make_prototype(rng, face_size, layout) for _ in range(num_identities)]
+    ref = reference_points((face_size, face_size))
+    rows, identity_of = [], {}
+    for ident in range(num_identities):
+        for _ in range(templates_per_identity):
+            tid = 100 + 7 * len(identity_of)
+            identity_of[tid] = ident
+            for _ in range(rng.integers(1, 4)):          # medias of the template
+                mid = int(rng.integers(1, 12))           # media ids repeat across templates
+                for _ in range(rng.integers(1, 4)):      # images of the media
+                    m = _loose_crop_similarity(rng, face_size, crop_size)
+                    rows.append((tid, mid, m, ident, float(rng.uniform(0.3, 1.0))))
+    order = rng.permutation(len(rows))
+    rows = [rows[i] for i in order]
+    names = [f"{i + 1}{ext}" for i in range(len(rows))]
+    landmarks = np.round(np.array([ref @ m[:, :2].T + m[:, 2] for _, _, m, _, _ in rows]), 4)
+    det_scores = np.round([r[4] for r in rows], 4)
+    for name, (_, _, m, ident, _) in zip(names, rows):
+        face = render_sample(protos[ident], rng, strength)
+        crop = cv2.warpAffine(face, m, (crop_size, crop_size), borderMode=cv2.BORDER_REFLECT101)
+        if not cv2.imwrite(os.path.join(root, "loose_crop", name), cv2.cvtColor(crop, cv2.COLOR_RGB2BGR)):
+            raise OSError(f"could not write {os.path.join(root, 'loose_crop', name)}")
+    tids = sorted(identity_of)
+    pairs = [(a, b, int(identity_of[a] == identity_of[b])) for i, a in enumerate(tids) for b in tids[i + 1:]]
+    if max_pairs is not None and len(pairs) > max_pairs:
+        pairs = [pairs[i] for i in np.sort(rng.choice(len(pairs), max_pairs, replace=False))]
+    meta = os.path.join(root, "meta", target.lower())
+    with open(meta + "_face_tid_mid.txt", "w") as f:
+        f.writelines(f"{name} {tid} {mid}\n" for name, (tid, mid, *_) in zip(names, rows))
+    with open(meta + "_name_5pts_score.txt", "w") as f:
+        f.writelines(name + " " + " ".join(f"{v:.4f}" for v in lmk.reshape(-1)) + f" {score:.4f}\n"
+                     for name, lmk, score in zip(names, landmarks, det_scores))
+    with open(meta + "_template_pair_label.txt", "w") as f:
+        f.writelines(f"{a} {b} {label}\n" for a, b, label in pairs)
+    return {"names": names, "templates": np.array([r[0] for r in rows]), "medias": np.array([r[1] for r in rows]),
+            "landmarks": landmarks, "det_scores": np.asarray(det_scores),
+            "identities": np.array([r[3] for r in rows]),
+            "pairs": np.array([p[:2] for p in pairs]), "labels": np.array([p[2] for p in pairs])}

@@ -42,6 +42,9 @@ def build_margin_from_config(loss):
         return build_margin("softmax")
     if name == "arcface":
         return build_margin("arcface", s=s, m=float(loss["m2"]), straight_through=loss["straight_through"])
+    if name == "adaface":
+        return build_margin("adaface", s=s, m=float(loss["adaface_m"]), h=float(loss["adaface_h"]),
+                            t_alpha=float(loss["adaface_t_alpha"]))
     if name == "cosface":
         return build_margin("cosface", s=s, m=float(loss["m3"]))
     if name == "sphereface":

@@ -25,7 +25,7 @@ from ..numerics import STORAGE_DTYPES, cast_nearest
 
 __all__ = ["atomic_write", "write_bytes", "read_meta", "array_dtype", "save_rows_npy",
            "head_dtype", "load_head_rows", "load_head_rows_into", "reshard_checkpoint",
-           "export_classifier", "import_classifier"]
+           "export_classifier", "import_classifier", "copy_checkpoint", "rows_as_float32"]
 
 
 def atomic_write(path, write):
@@ -118,6 +118,12 @@ def _bfloat16_to_float32(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def rows_as_float32(rows, stored):
+    """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits) -> float32
+    values (exact)."""
+    return _bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)
+
+
 def _float32_round_to_odd(x):
     """Float rows as float32; float64 is rounded to odd (truncated, last bit set if inexact),
     so that a later rounding to 16 bits rounds as if straight from float64."""
@@ -144,8 +150,7 @@ def _to_tensor(rows, stored, dtype):
     16 bits: rounded to nearest even)."""
     if stored == dtype:
         return paddle.to_tensor(rows)  # uint16 -> bfloat16: the same bits
-    x = _bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)
-    return cast_nearest(paddle.to_tensor(x), dtype)
+    return cast_nearest(paddle.to_tensor(rows_as_float32(rows, stored)), dtype)
 
 
 def read_meta(path):
@@ -255,7 +260,7 @@ def _write_rows(file, count, fetch):
                 (fetch(lo, min(step, count - lo)) for lo in range(0, count, step)))
 
 
-def _copy_checkpoint(src, dst, meta, head_rows):
+def copy_checkpoint(src, dst, meta, head_rows):
     """Write checkpoint `dst` from `src`: same backbone and trainer state, the head
     arrays given by `head_rows(name, start, count)` (as stored) for `meta`'s partition,
     written a slab at a time. `meta["head_dtypes"]` is filled in for older checkpoints."""
@@ -289,7 +294,7 @@ def reshard_checkpoint(src, dst, world_size):
     src_meta = read_meta(src)
     part = ClassPartition(src_meta["num_classes"], world_size)  # raises for an impossible split
     meta = dict(src_meta, world_size=int(world_size), shard_size=part.shard_size)
-    return _copy_checkpoint(src, dst, meta, lambda name, start, count: load_head_rows(
+    return copy_checkpoint(src, dst, meta, lambda name, start, count: load_head_rows(
         src, name, start, count, src_meta))
 
 
@@ -329,7 +334,7 @@ def import_classifier(src, dst, weight_path, bias_path=None):
         replaced = any(name.startswith(f"opt.{n}.") for n in new)
         return np.zeros_like(old) if replaced else old
 
-    return _copy_checkpoint(src, dst, meta, rows)
+    return copy_checkpoint(src, dst, meta, rows)
 
 
 def _open_import(src, meta, name, file):

@@ -1,9 +1,11 @@
-"""Training log on rank 0: console lines, a progress bar, a log file and VisualDL scalars."""
+"""Training log on rank 0: console lines, a progress bar, a log file, VisualDL scalars and images."""
 import datetime
 import logging
 import os
 import sys
 import time
+
+from ..metrics import roc_image
 
 __all__ = ["TrainLogger"]
 
@@ -13,7 +15,8 @@ class TrainLogger:
 
     Only the rank that is `enabled` writes anything. VisualDL scalars go to
     `<output_dir>/vdl` (tags `train/loss`, `train/lr`, `train/throughput`,
-    `eval/<target>/accuracy`, ...).
+    `eval/<target>/accuracy`, ...) and, for a verification report with its ROC,
+    the curve as the image `eval/<target>/roc`.
     """
 
     def __init__(self, output_dir, total_steps, interval, enabled=True, visualdl=True,
@@ -88,6 +91,13 @@ class TrainLogger:
                   f"norm {report['embedding_norm']:.2f} {far}")
         self.scalar(f"eval/{target}/accuracy", report["accuracy"], step)
         self.scalar(f"eval/{target}/embedding_norm", report["embedding_norm"], step)
+        if self.writer is not None and "far" in report:
+            self.log_image(f"eval/{target}/roc", roc_image({target: (report["far"], report["tar"])}), step)
+
+    def log_image(self, tag, image, step):
+        """An HWC uint8 RGB array as a VisualDL image."""
+        if self.writer is not None:
+            self.writer.add_image(tag=tag, img=image, step=int(step))
 
     def close(self):
         if self.writer is not None:

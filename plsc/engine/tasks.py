@@ -13,6 +13,7 @@ from .builders import build_backbone, select_device
 from .checkpoint import find_checkpoint
 from .evaluator import VerificationEvaluator, embed as embed_batches
 from .export import export_backbone, load_backbone_weights
+from .progress import progress as _progress
 
 __all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract", "embed"]
 
@@ -75,16 +76,6 @@ def export(cfg, out_dir=None, onnx=True, backbone=None):
     model = trained_backbone(cfg, backbone)
     out_dir = out_dir or os.path.join(cfg["Global"]["output_dir"], "export")
     return export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
-
-
-def _progress(done, total, enabled):
-    if enabled:
-        width = 30
-        fill = width * done // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def embed(model, images, batch_size=128, flip=False):

@@ -101,7 +101,7 @@ class Trainer:
                               sample_ratio=loss["sample_ratio"], seed=g["seed"],
                               chunk_size="auto" if loss["chunk_size"] is None else loss["chunk_size"],
                               logits_budget=int(loss["logits_budget_mb"] * (1 << 20)),
-                              param_dtype=loss["param_dtype"],
+                              param_dtype=loss["param_dtype"], sub_centers=loss["sub_centers"],
                               check_inputs="labels")  # the sampler makes equal batches
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
@@ -241,6 +241,9 @@ class Trainer:
                     micro = []
                     self.history.append((self.step, loss))
                     self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
+                    if self.log.writer is not None and self.step % self.log.interval == 0:
+                        for key, value in self._margin_state().items():  # AdaFace's statistics
+                            self.log.scalar(f"train/margin_{key}", value, self.step)
                     self._after_step()
                     signum = stop.agreed()  # the same on every rank: all stop after this step
                     if signum:
@@ -284,7 +287,7 @@ class Trainer:
 
     def evaluate(self):
         """Verify every target; keep the backbone of each target's best step so far."""
-        reports = self.evaluator(self.backbone)
+        reports = self.evaluator(self.backbone, with_roc=True)  # the ROC is logged as an image
         for target, report in reports.items():
             self.log.evaluation(self.step, target, report)
             if self.step > 0 and report["accuracy"] > self.best.get(target, -1.0):
@@ -296,14 +299,26 @@ class Trainer:
 
     # ----------------------------------------------------------- checkpoints
     def _head_arrays(self):
-        """This rank's class-indexed arrays as tensors: the save streams them in slabs."""
-        arrays = {"weight": self.head.weight}
-        if self.head.bias is not None:
-            arrays["bias"] = self.head.bias
+        """This rank's class-indexed arrays as tensors (a class a row: with K sub-centres the
+        weight and its state are viewed as `[num_local, K, d]`): the save streams them in slabs."""
+        head = self.head
+        arrays = {"weight": head.weight}
+        if head.bias is not None:
+            arrays["bias"] = head.bias
         for key, value in self.head_opt.state_dict().items():
             if key != "step_count":  # a scalar: meta.json's head_opt_step_count
                 arrays[f"opt.{key}"] = value
-        return arrays
+        k = head.sub_centers
+        return {name: t.reshape([head.num_local, k, -1])
+                if k > 1 and (name == "weight" or name.startswith("opt.weight.")) else t
+                for name, t in arrays.items()}
+
+    def _margin_state(self):
+        """The margin's running values (AdaFace's norm statistics) as plain numbers."""
+        margin = self.head.margin
+        if not isinstance(margin, paddle.nn.Layer):
+            return {}
+        return {key: value.numpy().tolist() for key, value in margin.state_dict().items()}
 
     def save(self):
         head = self.head
@@ -311,6 +326,7 @@ class Trainer:
         meta = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "num_classes": head.num_classes, "embedding_size": head.embedding_size,
                 "shard_size": head.partition.shard_size, "sample_step": int(head.sample_step),
+                "sub_centers": head.sub_centers, "margin_state": self._margin_state(),
                 "head_arrays": sorted(arrays), "model": self.cfg["Model"]["name"],
                 "config": json.loads(json.dumps(self.cfg))}
         # The steps the head optimizer applied: its 16-bit rounding draws bits from it, so a
@@ -327,8 +343,8 @@ class Trainer:
     def resume(self, path):
         meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
         head = self.head
-        for key in ("num_classes", "embedding_size"):
-            if meta[key] != getattr(head, key):
+        for key in ("num_classes", "embedding_size", "sub_centers"):
+            if meta.get(key, 1) != getattr(head, key):
                 raise ConfigError(f"checkpoint {path} has {key}={meta[key]}, the config "
                                   f"{getattr(head, key)}")
         self.backbone.set_state_dict(backbone_state)
@@ -338,6 +354,11 @@ class Trainer:
         self.scaler.set_state_dict(trainer_state["scaler"])
         self._resume_head(path, meta)
         head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
+        margin = head.margin
+        state = margin.state_dict() if isinstance(margin, paddle.nn.Layer) else {}
+        for key, value in meta.get("margin_state", {}).items():
+            if key in state:  # a run may go on with another margin
+                state[key].set_value(paddle.to_tensor(value, dtype="float32"))
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = meta["batch_in_epoch"]
         if rng is not None:

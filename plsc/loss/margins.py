@@ -1,24 +1,38 @@
 """Margins: how the target class's logit is formed.
 
 A margin maps the target cosine `t = cos θ` to the target logit and gives its
-derivative; every other class gets `s·cos θ`. The head applies them to the
-few target entries only, so these functions work on `[n]` vectors.
+derivative; every other class gets `s·cos θ` (clamped to `s·[−cos_clip, cos_clip]` when the
+margin sets `cos_clip`). The head applies them to the few target entries only, so these
+functions work on `[n]` vectors, one entry per sample of the gathered batch.
+
+A margin that depends on the sample (AdaFace reads image quality off the feature norm) gives
+the head a per-batch margin: `margin.for_batch(norms)` is called once per forward with the
+`[n]` feature norms of the gathered batch; the others return themselves.
 """
 import math
 
 import paddle
+from paddle import nn
 
-__all__ = ["Margin", "CombinedMargin", "ArcFace", "CosFace", "SphereFace", "Softmax",
+from ..numerics import sqrt_exact
+
+__all__ = ["Margin", "CombinedMargin", "ArcFace", "CosFace", "SphereFace", "AdaFace", "Softmax",
            "MARGINS", "build_margin"]
 
 _SIN_FLOOR = 1e-12
 
 
 class Margin:
-    """Base class. `normalized` says whether logits are cosines (times `scale`)."""
+    """Base class. `normalized` says whether logits are cosines (times `scale`); `cos_clip`,
+    when set, clamps every cosine to [−cos_clip, cos_clip] (zero gradient outside)."""
 
     normalized = True
     scale = 1.0
+    cos_clip = None
+
+    def for_batch(self, norms):
+        """The margin for a batch whose gathered feature norms are `norms` (`[n]` float32)."""
+        return self
 
     def target_logit(self, cos_t):
         raise NotImplementedError
@@ -26,6 +40,19 @@ class Margin:
     def target_grad(self, cos_t):
         """d target_logit / d cos_t, as used by the backward pass."""
         raise NotImplementedError
+
+
+def _check_numbers(**params):
+    for name, v in params.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"margin parameter {name} must be a finite number, got {v!r}")
+    if params["s"] <= 0:
+        raise ValueError(f"margin scale s must be > 0, got {params['s']}")
+
+
+def _inside(x, lo, hi):
+    """1.0 where lo <= x <= hi, else 0.0: the derivative of clip(x, lo, hi)."""
+    return paddle.logical_and(x >= lo, x <= hi).astype(x.dtype)
 
 
 class CombinedMargin(Margin):
@@ -38,11 +65,7 @@ class CombinedMargin(Margin):
     """
 
     def __init__(self, s=64.0, m1=1.0, m2=0.0, m3=0.0, straight_through=False):
-        for name, v in (("s", s), ("m1", m1), ("m2", m2), ("m3", m3)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"margin parameter {name} must be a finite number, got {v!r}")
-        if s <= 0:
-            raise ValueError(f"margin scale s must be > 0, got {s}")
+        _check_numbers(s=s, m1=m1, m2=m2, m3=m3)
         if m1 <= 0:
             raise ValueError(f"margin m1 must be > 0, got {m1}")
         self.scale = float(s)
@@ -95,6 +118,81 @@ class SphereFace(CombinedMargin):
         super().__init__(s, m, 0.0, 0.0, straight_through)
 
 
+class AdaFace(nn.Layer, Margin):
+    """AdaFace (Kim et al., CVPR 2022): the margin adapts to image quality, read off the
+    feature norm.
+
+    Per sample, the norm ‖x‖ clipped to [0.001, 100] is standardised with running batch
+    statistics, `q = clip(h·(‖x‖ − batch_mean) / (batch_std + 1e-3), −1, 1)` (no gradient);
+    the target angle becomes `clip(θ − m·q, 1e-3, π − 1e-3)` and its cosine is lowered by
+    `m + m·q`; every cosine is first clamped to [−1 + 1e-3, 1 − 1e-3]. In training mode each
+    batch first updates `batch_mean` and `batch_std` (buffers, initially 20 and 100) as
+    `t_alpha·batch + (1 − t_alpha)·running`, the batch std unbiased. In the head the batch is
+    the gathered global batch, so every rank uses the same values. A Layer, so that the head's
+    `train()` / `eval()` and `state_dict()` cover it.
+    """
+
+    eps = 1e-3
+    cos_clip = 1.0 - 1e-3
+
+    def __init__(self, s=64.0, m=0.4, h=0.333, t_alpha=0.01):
+        nn.Layer.__init__(self)
+        _check_numbers(s=s, m=m, h=h, t_alpha=t_alpha)
+        if not 0.0 <= t_alpha <= 1.0:
+            raise ValueError(f"AdaFace t_alpha must be in [0, 1], got {t_alpha}")
+        self.scale, self.m, self.h, self.t_alpha = float(s), float(m), float(h), float(t_alpha)
+        self.register_buffer("batch_mean", paddle.full([], 20.0, "float32"))
+        self.register_buffer("batch_std", paddle.full([], 100.0, "float32"))
+
+    def for_batch(self, norms):
+        norms = paddle.clip(norms.detach().astype("float32"), 0.001, 100.0)
+        if self.training:
+            if norms.shape[0] < 2:
+                raise ValueError("AdaFace needs a global batch of at least 2 samples (the "
+                                 f"batch std is unbiased), got {norms.shape[0]}")
+            with paddle.no_grad():
+                a, mean = self.t_alpha, norms.mean()
+                std = sqrt_exact(paddle.square(norms - mean).sum() / (norms.shape[0] - 1))
+                paddle.assign(mean * a + (1.0 - a) * self.batch_mean, self.batch_mean)
+                paddle.assign(std * a + (1.0 - a) * self.batch_std, self.batch_std)
+        q = paddle.clip((norms - self.batch_mean) / (self.batch_std + self.eps) * self.h,
+                        -1.0, 1.0)
+        return _AdaFaceBatch(self, q)
+
+    def target_logit(self, cos_t):
+        raise RuntimeError("AdaFace depends on the batch: use margin.for_batch(norms)")
+
+    target_grad = target_logit
+
+    def extra_repr(self):
+        return f"s={self.scale}, m={self.m}, h={self.h}, t_alpha={self.t_alpha}"
+
+
+class _AdaFaceBatch(Margin):
+    """AdaFace with the quality indicator `q` (`[n]`) of one batch."""
+
+    def __init__(self, ada, q):
+        self.scale, self.cos_clip, self.m, self.eps = ada.scale, ada.cos_clip, ada.m, ada.eps
+        self.q = q
+
+    def _angles(self, cos_t):
+        c = paddle.clip(cos_t, -self.cos_clip, self.cos_clip)
+        theta = paddle.acos(c)
+        return c, theta, theta - self.m * self.q
+
+    def target_logit(self, cos_t):
+        _, _, shifted = self._angles(cos_t)
+        angle = paddle.clip(shifted, self.eps, math.pi - self.eps)
+        return self.scale * (paddle.cos(angle) - (self.m + self.m * self.q))
+
+    def target_grad(self, cos_t):
+        c, theta, shifted = self._angles(cos_t)
+        angle = paddle.clip(shifted, self.eps, math.pi - self.eps)
+        inside = _inside(cos_t, -self.cos_clip, self.cos_clip) * \
+            _inside(shifted, self.eps, math.pi - self.eps)
+        return self.scale * inside * paddle.sin(angle) / paddle.sin(theta)
+
+
 class Softmax(Margin):
     """Plain softmax: logits `x·Wᵀ + b`, no normalisation, no margin (PLSC's dist_softmax)."""
 
@@ -115,6 +213,7 @@ MARGINS = {
     "arcface": ArcFace,
     "cosface": CosFace,
     "sphereface": SphereFace,
+    "adaface": AdaFace,
     "combined": CombinedMargin,
     "softmax": Softmax,
 }

@@ -21,6 +21,12 @@ block of rows is upcast to float32 for its GEMMs (`_rows_f32`, the one place thi
 Paddle 3.3 has no 16-bit matmul on CPU) and every statistic (row max, sum of exponentials,
 target logit, log-probability) is float32.
 
+Sub-centres (K centres a class, class-major rows): a block's GEMM gives the `[N, K·width]`
+cosines of its centres; `_class_max` reduces them to the class logits and remembers the winning
+centre, `_to_centres` sends each class's gradient back to it. Margins with a `cos_clip`
+(AdaFace) clamp the non-target logits (`_clamp_`); those outside the clamp are in the softmax
+but get no gradient (`_zero_clamped_`).
+
 The weight gradient goes where the caller wants it: a block at a time straight from the
 GEMM into the array the backward returns, or a slab of `_WGRAD_SLAB` rows at a time to a
 sink that writes it over the weight (Partial FC's scratch rows) or gives it to `row_update`,
@@ -72,17 +78,20 @@ def _subtract_scaled_rows_(out, rows_of, coef):
 
 
 class _Block:
-    """The classes [start, stop) of this rank's weight, and each row's target column in it.
+    """The classes [start, stop) of this rank's shard (weight rows [lo, hi): `sub_centers` rows
+    a class), and each row's target column in it.
 
     Every row of the batch is addressed (rows whose target lies elsewhere write their own
     value back), so no shape depends on the labels and nothing is read back to the host."""
 
-    def __init__(self, start, stop, local_target):
+    def __init__(self, start, stop, local_target, sub_centers):
         self.start, self.stop = start, stop
-        self.buffer = f"logits[{stop - start}]"  # workspace name: one buffer per block width
+        self.lo, self.hi = start * sub_centers, stop * sub_centers
+        self.buffer = f"logits[{stop - start}]"  # workspace names: one buffer per block width
+        self.centre_buffer = f"centres[{self.hi - self.lo}]"
         self.inside = paddle.logical_and(local_target >= start, local_target < stop)
         self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
-        self.cos_t = None
+        self.cos_t = self.pick = self.clamped = None
 
     def take(self, buf):
         """`[N]` entries of `buf` at each row's target column."""
@@ -94,28 +103,82 @@ class _Block:
                             broadcast=False)
 
 
-def _blocks(local_target, num_local, chunk_size):
-    step = num_local if not chunk_size else int(chunk_size)
-    return [_Block(s, min(s + step, num_local), local_target) for s in range(0, num_local, step)]
+def _blocks(local_target, num_classes, chunk_size, sub_centers):
+    step = num_classes if not chunk_size else int(chunk_size)
+    return [_Block(s, min(s + step, num_classes), local_target, sub_centers)
+            for s in range(0, num_classes, step)]
+
+
+def _lend(ctx, name, shape):
+    return ctx.workspace.lend(name, shape, ctx) if ctx.workspace is not None else None
+
+
+def _class_max(ctx, block, cos):
+    """Sub-centres: each class's logit is the largest of its K centres' (`cos`: `[N, K·width]`,
+    class-major); `block.pick` keeps which centre (the first of equal ones) for the backward.
+    With one centre a class, `cos` itself."""
+    k = ctx.sub_centers
+    if k == 1:
+        return cos
+    per_class = cos.reshape([ctx.n, block.stop - block.start, k])
+    block.pick = paddle.argmax(per_class, axis=2, keepdim=True, dtype="int32")
+    out = paddle.take_along_axis(per_class, block.pick, 2, broadcast=False).squeeze(2)
+    _give_back(ctx, block.centre_buffer)
+    return out
+
+
+def _to_centres(ctx, block, buf):
+    """The gradient `buf` of the class logits as that of the centres' (`[N, K·width]`): each
+    class's entry goes to the centre that won the max, zero to the others."""
+    if ctx.sub_centers == 1:
+        return buf
+    width, k = block.stop - block.start, ctx.sub_centers
+    out = _lend(ctx, block.centre_buffer, [ctx.n, width * k])
+    out = paddle.zeros([ctx.n, width * k], "float32") if out is None else out.zero_()
+    out.reshape([ctx.n, width, k]).put_along_axis_(block.pick.astype("int64"),
+                                                    buf.unsqueeze(2), 2, broadcast=False)
+    block.pick = None
+    return out
+
+
+def _clamp_(margin, block, logits, plain):
+    """Clamp the non-target logits to s·[−cos_clip, cos_clip] in place (margins with a
+    `cos_clip`), remembering which were outside: their gradient is zero (`_zero_clamped_`).
+    Returns the entries at the target columns now (`plain` when nothing was clamped)."""
+    if margin.cos_clip is None:
+        return plain
+    bound = margin.scale * margin.cos_clip
+    block.put_(logits, paddle.zeros_like(plain), plain)  # the target entries are not clamped
+    block.clamped = paddle.logical_or(logits > bound, logits < -bound)
+    logits.clip_(-bound, bound)
+    return block.take(logits)
+
+
+def _zero_clamped_(block, exp_logits):
+    if block.clamped is not None:
+        exp_logits.masked_fill_(block.clamped, 0.0)
+        block.clamped = None
 
 
 def _block_logits(ctx, block, w, bias):
-    """Logits of one block (`w`: its float32 rows; margin applied to its targets), written
+    """Logits of one block (`w`: its float32 weight rows; margin applied to its targets), written
     into the workspace's buffer for blocks of this width when it lends one; returns (logits,
     `[N]` target logits, meaningful for the rows whose target is inside the block)."""
     margin = ctx.margin
-    out = ctx.workspace.lend(block.buffer, [ctx.n, block.stop - block.start], ctx) \
-        if ctx.workspace is not None else None
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
-        logits = paddle.matmul(ctx.x_scaled, w, transpose_y=True, out=out)
-        logits.multiply_(ctx.inv_w[block.start:block.stop])  # 1-D operand: [1, C] is ~6x slower
+        name = block.buffer if ctx.sub_centers == 1 else block.centre_buffer
+        cos = paddle.matmul(ctx.x_scaled, w, transpose_y=True,
+                            out=_lend(ctx, name, [ctx.n, block.hi - block.lo]))
+        cos.multiply_(ctx.inv_w[block.lo:block.hi])  # 1-D operand: [1, C] is ~6x slower
+        logits = _class_max(ctx, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
         target_logit = margin.target_logit(block.cos_t)
-        block.put_(logits, target_logit, plain)
+        block.put_(logits, target_logit, _clamp_(margin, block, logits, plain))
     else:
-        logits = paddle.matmul(ctx.features, w, transpose_y=True, out=out)
+        logits = paddle.matmul(ctx.features, w, transpose_y=True,
+                               out=_lend(ctx, block.buffer, [ctx.n, block.stop - block.start]))
         if bias is not None:
             logits.add_(_rows_f32(bias, block.start, block.stop))
         target_logit = block.take(logits)
@@ -138,7 +201,8 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
     block.put_(buf, target, old)
     if margin.normalized:
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
-        inv_w = ctx.inv_w[block.start:block.stop]
+        buf = _to_centres(ctx, block, buf)
+        inv_w = ctx.inv_w[block.lo:block.hi]
         buf.multiply_(inv_w)
         scale = row_scale * margin.scale
         if d_x is not None:
@@ -165,13 +229,13 @@ def _weight_grad_rows(ctx, block, buf, w, inv_w, rhs):
     for lo in range(0, width, step):
         hi = min(lo + step, width)
         part = buf if (lo, hi) == (0, width) else buf[:, lo:hi]
-        out = ctx.d_w[block.start + lo:block.start + hi] if ctx.d_w is not None else None
+        out = ctx.d_w[block.lo + lo:block.lo + hi] if ctx.d_w is not None else None
         g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
         if inv_w is not None:
             w_part, inv = w[lo:hi], inv_w[lo:hi]
             _subtract_scaled_rows_(g_w, w_part, _row_dot(w_part, g_w) * inv * inv)
         if ctx.d_w is None:
-            ctx.sink(block.start + lo, block.start + hi, g_w, None)
+            ctx.sink(block.lo + lo, block.lo + hi, g_w, None)
 
 
 def _over_weight(weight):
@@ -181,9 +245,10 @@ def _over_weight(weight):
     return write
 
 
-def _give_back(ctx, block):
+def _give_back(ctx, *names):
     if ctx.workspace is not None:
-        ctx.workspace.give_back(block.buffer)
+        for name in names:
+            ctx.workspace.give_back(name)
 
 
 class _ParallelSoftmaxCE(PyLayer):
@@ -191,20 +256,21 @@ class _ParallelSoftmaxCE(PyLayer):
 
     @staticmethod
     def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace,
-                grad_into_weight, row_update):
+                grad_into_weight, row_update, sub_centers):
         n = features.shape[0]
-        num_local = weight.shape[0]
-        ctx.margin, ctx.group, ctx.has_bias = margin, group, bias is not None
-        ctx.n, ctx.workspace = n, workspace
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.n, ctx.workspace, ctx.sub_centers = n, workspace, sub_centers
         ctx.grad_into_weight, ctx.row_update = grad_into_weight, row_update
         if margin.normalized:
             ctx.x_norm = _row_norm(features)
+            margin = margin.for_batch(ctx.x_norm)
             ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
             ctx.x_scaled = ctx.x_hat * margin.scale
             ctx.inv_w = _inv_row_norms(weight)
         else:
             ctx.features = features
-        blocks = _blocks(local_target, num_local, chunk_size)
+        ctx.margin = margin
+        blocks = _blocks(local_target, weight.shape[0] // sub_centers, chunk_size, sub_centers)
 
         if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
             logits, target_logit = _block_logits(ctx, blocks[0], _rows_f32(weight), bias)
@@ -212,14 +278,16 @@ class _ParallelSoftmaxCE(PyLayer):
             logits.subtract_(row_max.unsqueeze(1))
             logits.exp_()
             sum_exp = all_reduce_(logits.sum(axis=1), "sum", group)
+            _zero_clamped_(blocks[0], logits)  # in the sum, but no gradient
             ctx.exp_logits = logits
         else:  # chunked: running max and sum, blocks dropped as they go
             run_max = paddle.full([n], float("-inf"), dtype=features.dtype)
             run_sum = paddle.zeros([n], dtype=features.dtype)
             target_logit = paddle.zeros([n], dtype=features.dtype)
             for block in blocks:
-                w = _rows_f32(weight, block.start, block.stop)
+                w = _rows_f32(weight, block.lo, block.hi)
                 logits, t = _block_logits(ctx, block, w, bias)
+                block.pick = block.clamped = None  # the backward finds them again
                 target_logit = paddle.where(block.inside, t, target_logit)
                 new_max = paddle.maximum(run_max, logits.max(axis=1))
                 logits.subtract_(new_max.unsqueeze(1))
@@ -227,7 +295,7 @@ class _ParallelSoftmaxCE(PyLayer):
                 run_sum = run_sum * paddle.exp(run_max - new_max) + logits.sum(axis=1)
                 run_max = new_max
                 del logits, w
-                _give_back(ctx, block)
+                _give_back(ctx, block.buffer, block.centre_buffer)
             row_max = all_reduce_(run_max.clone(), "max", group)
             sum_exp = all_reduce_(run_sum * paddle.exp(run_max - row_max), "sum", group)
             ctx.exp_logits = None
@@ -243,7 +311,7 @@ class _ParallelSoftmaxCE(PyLayer):
         ctx.grad_mask = (not features.stop_gradient, not weight.stop_gradient)
         if ctx.exp_logits is not None and not any(ctx.grad_mask):
             ctx.exp_logits = None  # no backward will come
-            _give_back(ctx, blocks[0])
+            _give_back(ctx, blocks[0].buffer, blocks[0].centre_buffer)
         return -target_logp
 
     @staticmethod
@@ -264,16 +332,17 @@ class _ParallelSoftmaxCE(PyLayer):
             ctx.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
         buf, ctx.exp_logits = ctx.exp_logits, None
         for block in blocks:  # recomputing the logits the forward dropped (chunked path)
-            w = _rows_f32(weight, block.start, block.stop)
+            w = _rows_f32(weight, block.lo, block.hi)
             if buf is None:
                 block_buf, _ = _block_logits(ctx, block, w, bias)
                 block_buf.subtract_(ctx.row_max.unsqueeze(1))
                 block_buf.exp_()
+                _zero_clamped_(block, block_buf)
             else:
                 block_buf, buf = buf, None
             _block_backward(ctx, block, block_buf, w, row_scale, d_x)
             del block_buf, w
-            _give_back(ctx, block)
+            _give_back(ctx, block.buffer, block.centre_buffer)
         d_b = ctx.d_b
         if ctx.row_update is not None and d_b is not None:  # the bias's update, at once
             ctx.row_update(0, d_b.shape[0], None, d_b)
@@ -289,16 +358,18 @@ class _ParallelSoftmaxCE(PyLayer):
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
                                    chunk_size=None, workspace=None, grad_into_weight=False,
-                                   row_update=None):
+                                   row_update=None, sub_centers=1):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
         features: `[N, d]` float32, the gathered global batch (same on every rank).
-        weight: `[C_local, d]`, this rank's class centres (float32, bfloat16 or float16).
+        weight: `[C_local·sub_centers, d]`, this rank's class centres (float32, bfloat16 or
+            float16); with sub-centres, class j's are rows j·K … j·K + K − 1.
         bias: `[C_local]` or None (used only by the plain `Softmax` margin).
         local_target: `[N]` int64, the label's index into `weight` where this
             rank owns it, -1 elsewhere (see `ClassPartition.shard_labels`).
-        margin: a `plsc.loss.Margin`.
+        margin: a `plsc.loss.Margin` (a batch-dependent one, AdaFace, is given the gathered
+            feature norms through `margin.for_batch`).
         group: process group of the class shards (default: the world).
         chunk_size: None for the dense path, else classes per block of the
             chunked path (memory `[N, chunk_size]` instead of `[N, C_local]`).
@@ -313,6 +384,10 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
             as soon as it exists and after those rows were last read: it applies the
             optimizer to them (see `plsc.optim.SparseRowOptimizer.fused_update`). No
             weight or bias gradient is returned then.
+        sub_centers: K centres a class (normalised margins only): a class's cosine is the
+            largest of its K centres', and its gradient goes to that centre (the first of
+            equal ones; equal as computed: the GEMM may round two identical centres' cosines
+            an ulp apart, depending on their position in the block). `chunk_size` counts classes, so a block holds K·chunk_size cosines.
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
@@ -321,7 +396,13 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     """
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")
-    if chunk_size is not None and int(chunk_size) >= weight.shape[0]:
+    sub_centers = int(sub_centers)
+    if sub_centers < 1 or weight.shape[0] % sub_centers:
+        raise ValueError(f"sub_centers must be a positive divisor of the weight's {weight.shape[0]} "
+                         f"rows, got {sub_centers}")
+    if sub_centers > 1 and not margin.normalized:
+        raise ValueError(f"sub-centres need a normalised margin (a cosine per centre), not {margin}")
+    if chunk_size is not None and int(chunk_size) * sub_centers >= weight.shape[0]:
         chunk_size = None
     return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size,
-                                    workspace, grad_into_weight, row_update)
+                                    workspace, grad_into_weight, row_update, sub_centers)

@@ -49,6 +49,10 @@ class PartialFC(nn.Layer):
         param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
             or "float16". Every GEMM reads a block of rows upcast to float32 and every softmax
             statistic is float32; only storage is 16-bit (half the bytes per class).
+        sub_centers: K centres a class (sub-center ArcFace; normalised margins only):
+            `weight` is `[num_local·K, d]`, local class j's centres are rows j·K … j·K + K − 1,
+            and a class's cosine is the largest of its centres'. Partial FC samples classes
+            (`sampled_index`), each bringing its K rows (`sampled_rows`).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: True: validate labels and batch sizes across ranks every step
@@ -65,7 +69,8 @@ class PartialFC(nn.Layer):
 
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
                  group=None, init_std=0.01, check_inputs=True, chunk_size="auto",
-                 logits_budget=2 << 30, reuse_buffers=True, param_dtype="float32"):
+                 logits_budget=2 << 30, reuse_buffers=True, param_dtype="float32",
+                 sub_centers=1):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -98,8 +103,14 @@ class PartialFC(nn.Layer):
             raise ValueError(f"param_dtype must be one of {', '.join(STORAGE_DTYPES)}, "
                              f"got {param_dtype!r}")
         self.param_dtype = param_dtype
-        self.weight = _normal_parameter(self, [self.num_local, self.embedding_size], init_std,
-                                        param_dtype)
+        if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
+            raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+        if sub_centers > 1 and not margin.normalized:
+            raise ValueError(f"sub_centers={sub_centers} needs a normalised margin (a cosine per "
+                             f"centre), not {margin}")
+        self.sub_centers = sub_centers
+        self.weight = _normal_parameter(self, [self.num_local * sub_centers, self.embedding_size],
+                                        init_std, param_dtype)
         self.bias = None
         if not margin.normalized:
             self.bias = self.create_parameter([self.num_local], dtype=param_dtype, is_bias=True,
@@ -107,8 +118,9 @@ class PartialFC(nn.Layer):
         # The sampling step counter lives on the host, so reading it never waits for a device.
         self.register_buffer("sample_step", paddle.zeros([], dtype="int64").cpu())
         self.sample_loss = None
-        # The centres of the last step: indices into this rank's classes (None: all).
-        self.sampled_index = self.sampled_weight = self.sampled_bias = None
+        # The centres of the last step: indices into this rank's classes (None: all), the
+        # weight rows they own (`sub_centers` a class), and those rows gathered.
+        self.sampled_index = self.sampled_rows = self.sampled_weight = self.sampled_bias = None
         self._last_target = self._bad_labels = self._global_labels = None
         self.row_update = None
 
@@ -129,17 +141,21 @@ class PartialFC(nn.Layer):
         losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
                                                 self.group, self.last_chunk_size, self.workspace,
                                                 grad_into_weight=weight is self.sampled_weight,
-                                                row_update=self.row_update)
+                                                row_update=self.row_update,
+                                                sub_centers=self.sub_centers)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
 
-    def _chunk_for(self, n, num_centres):
-        """Classes per block for a step over `num_centres` centres (None: dense)."""
+    def _chunk_for(self, n, num_rows):
+        """Classes per block for a step over `num_rows` weight rows (None: dense). A class's
+        logits take 4·N bytes; with K sub-centres also its K cosines and the winner's index."""
         if self.chunk_size == "auto":
-            if 4 * n * num_centres <= self.logits_budget:
+            k = self.sub_centers
+            per_class = 4 * n * (1 if k == 1 else k + 2)
+            if per_class * (num_rows // k) <= self.logits_budget:
                 return None
-            return max(1, self.logits_budget // (4 * n))
+            return max(1, self.logits_budget // per_class)
         return self.chunk_size or None
 
     def _select_centres(self, local_target):
@@ -153,8 +169,8 @@ class PartialFC(nn.Layer):
         if self.training:
             self.sample_step.fill_(step + 1)
         # Gathered from a detached weight, so the gradient is [num_sample, d], never [num_local, d].
-        self.sampled_index = index
-        self.sampled_weight = self._gather_rows("rows", self.weight, index)
+        self.sampled_index, self.sampled_rows = index, _rows_of(index, self.sub_centers)
+        self.sampled_weight = self._gather_rows("rows", self.weight, self.sampled_rows)
         self.sampled_bias = self._gather_rows("bias_rows", self.bias, index) \
             if self.bias is not None else None
         self._last_target = target
@@ -249,7 +265,8 @@ class PartialFC(nn.Layer):
     def extra_repr(self):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
-                f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}")
+                f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}"
+                + (f", sub_centers={self.sub_centers}" if self.sub_centers > 1 else ""))
 
 
 def _normal_parameter(layer, shape, std, dtype):
@@ -267,6 +284,13 @@ def _normal_parameter(layer, shape, std, dtype):
             rows = min(step, shape[0] - lo)
             param[lo:lo + rows] = cast_nearest(paddle.normal(0.0, std, [rows, shape[1]]), dtype)
     return param
+
+
+def _rows_of(classes, k):
+    """The weight rows of `classes` with K centres a class (class-major)."""
+    if k == 1:
+        return classes
+    return (classes.unsqueeze(1) * k + paddle.arange(k, dtype="int64")).reshape([-1])
 
 
 def _raise_bad_label(value, rank, count, num_classes, where):

@@ -92,7 +92,7 @@ class SparseRowOptimizer:
             for name, param, grad in (("weight", head.weight, weight_grad),
                                       ("bias", head.bias, bias_grad)):
                 if grad is not None:
-                    self._apply(name, param, head.rank, head.sampled_index, lo, grad, lr,
+                    self._apply(name, param, head.rank, _row_index(head, name), lo, grad, lr,
                                 grad_scale)
         return update
 
@@ -194,13 +194,18 @@ class SparseRowOptimizer:
             self._state.setdefault(name, {})[key] = paddle.to_tensor(value)
 
 
+def _row_index(head, name):
+    """Rows of the head's array `name` that the last step used (None: all of them)."""
+    return head.sampled_rows if name == "weight" else head.sampled_index
+
+
 def _head_rows(head):
     """(name, parameter, row index or None for all rows, tensor carrying the gradient)."""
     sampled = head.sampled_index is not None
-    yield ("weight", head.weight, head.sampled_index if sampled else None,
+    yield ("weight", head.weight, _row_index(head, "weight"),
            head.sampled_weight if sampled else head.weight)
     if head.bias is not None:
-        yield ("bias", head.bias, head.sampled_index if sampled else None,
+        yield ("bias", head.bias, _row_index(head, "bias"),
                head.sampled_bias if sampled else head.bias)
 
 

@@ -1,0 +1,182 @@
+"""IJB-B / IJB-C template verification of a trained backbone (the task behind tools/eval_ijb.py).
+
+Images are read, aligned and embedded (plus their mirror images) a batch at a time,
+each rank doing a contiguous share; only the [num_images, d] features are kept
+and gathered. Rank 0 prints TAR@FAR and AUC and writes, under Global.output_dir,
+`<target>_result.json`, `<target>_scores.npy`, `<target>_roc.png` and (with
+Logging.visualdl) the ROC image and the figures to `vdl/`.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import paddle
+
+from .. import distributed as pd
+from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, read_ijb_meta
+from ..data._atomic import atomic_path
+from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
+from .builders import select_device
+from .progress import progress as show_progress
+from .tasks import trained_backbone
+
+__all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "format_ijb_table",
+           "evaluate_ijb"]
+
+
+def _embedding_dim(model, image_size):
+    with paddle.no_grad():
+        return int(model(paddle.zeros([1, 3] + [int(v) for v in image_size])).shape[1])
+
+
+def _gather_rows(local, n, chunk_rows=1 << 16):
+    """Every rank's equal-sized `local` [share, d], concatenated in rank order, first `n` rows;
+    gathered `chunk_rows` rows per rank at a time."""
+    world = pd.get_world_size()
+    if world == 1:
+        return local[:n]
+    share, dim = local.shape
+    out = np.empty((world, share, dim), np.float32)
+    for lo in range(0, share, chunk_rows):
+        hi = min(lo + chunk_rows, share)
+        part = pd.gather_concat(paddle.to_tensor(local[lo:hi])).numpy()
+        out[:, lo:hi] = part.reshape(world, hi - lo, dim)
+    return out.reshape(world * share, dim)[:n]
+
+
+def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, progress=False):
+    """[N, d] float32 features of the images of `meta` (in name_5pts_score order) on every
+    rank: embedding of the aligned face + that of its mirror image, not normalised.
+
+    Each rank reads, aligns (in `num_workers` DataLoader workers) and embeds the
+    contiguous share ``[r·⌈N/k⌉, (r+1)·⌈N/k⌉)`` one batch at a time; the shares are
+    all-gathered. `progress` draws a bar of this rank's share.
+    """
+    rank, world, n = pd.get_rank(), pd.get_world_size(), meta.num_images
+    share = -(-n // world)
+    start, stop = min(rank * share, n), min((rank + 1) * share, n)
+    was_training = model.training
+    model.eval()
+    dim = _embedding_dim(model, image_size)
+    local = np.zeros((share, dim), np.float32)
+    dataset = IJBFaceDataset(meta, image_size, start, stop)
+    transform = FaceTransform(image_size, train=False, output="uint8")
+    done = 0
+    if len(dataset):
+        loader = paddle.io.DataLoader(dataset, batch_size=int(batch_size), shuffle=False, drop_last=False,
+                                      num_workers=int(num_workers))
+        with paddle.no_grad():
+            for images, index in loader:
+                x = transform.normalize(images)
+                emb = model(x) + model(paddle.flip(x, [3]))
+                local[index.numpy().reshape(-1) - start] = emb.astype("float32").numpy()
+                done += int(index.shape[0])
+                show_progress(done, len(dataset), progress, f"{meta.target} rank {rank}: ")
+    if was_training:
+        model.train()
+    return _gather_rows(local, n)
+
+
+def load_ijb_features(path, meta):
+    """Features saved by `save_ijb_features` ([N, d] float32, N = the images of `meta`)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"features file {path} does not exist")
+    try:
+        feats = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as err:
+        raise DataError(f"{path}: not a .npy array ({err})") from None
+    if feats.ndim != 2 or len(feats) != meta.num_images or not np.issubdtype(feats.dtype, np.floating):
+        raise DataError(f"{path}: features of shape {feats.shape} ({feats.dtype}), expected "
+                        f"[{meta.num_images}, d] floats: one row per line of "
+                        f"{meta.paths['name_5pts_score']}")
+    return feats.astype(np.float32, copy=False)
+
+
+def save_ijb_features(path, features):
+    """Write [N, d] float32 features to `path` (.npy) under a temporary name, then rename."""
+    _write_npy(path, np.asarray(features, np.float32))
+    return path
+
+
+def format_ijb_table(result):
+    """The TAR at each FAR and the AUC of a result (see `evaluate_ijb`), in percent."""
+    fars = list(result["tar_at_far"])
+    head = f"{'FAR':<10}" + "".join(f"{format(float(f), 'g'):>9}" for f in fars) + f"{'AUC':>9}"
+    row = f"{'TAR (%)':<10}" + "".join(f"{100 * result['tar_at_far'][f]:>9.2f}" for f in fars) + \
+        f"{100 * result['auc']:>9.2f}"
+    return "\n".join([f"{result['target']}: {result['num_images']} images, {result['num_templates']} "
+                      f"templates, {result['num_pairs']} pairs", head, row])
+
+
+def _write_json(path, obj):
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+
+
+def _write_npy(path, arr):
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, arr)
+
+
+def _log_visualdl(logdir, result, image, step):
+    from visualdl import LogWriter  # imported lazily: it is slow to import
+    t = result["target"].lower()
+    with LogWriter(logdir=logdir) as writer:
+        for far, tar in result["tar_at_far"].items():
+            writer.add_scalar(tag=f"ijb/{t}/tar_at_far_{far}", value=float(tar), step=step)
+        writer.add_scalar(tag=f"ijb/{t}/auc", value=float(result["auc"]), step=step)
+        writer.add_image(tag=f"ijb/{t}/roc", img=image, step=step)
+
+
+def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_score=True,
+                 normalize_images=False, backbone=None, out=None, progress=None, step=0):
+    """1:1 template verification of `target` ('IJBC' or 'IJBB') under `root` (the folder
+    with meta/ and loose_crop/).
+
+    Image features come from `features` (a .npy written by `save_features`) or from
+    the config's trained backbone (Global.checkpoint / Global.pretrained) at
+    Data.image_size, Eval.batch_size, Data.num_workers. `detector_score` weights each
+    image by its detector score, `normalize_images` L2-normalises image features
+    first. `progress`: a bar of rank 0's share on stderr (default: Logging.progress_bar
+    and stderr is a terminal); `step`: the VisualDL step. Returns (on every rank) the
+    result: target, num_images, num_templates, num_pairs, tar_at_far {str(FAR): TAR},
+    auc, the options, and the arrays scores, far, tar.
+    """
+    out = sys.stdout if out is None else out
+    select_device(cfg["Global"]["device"])
+    pd.init()
+    meta = read_ijb_meta(root, target)
+    rank0 = pd.get_rank() == 0
+    if features is not None:
+        feats = load_ijb_features(features, meta)
+    else:
+        check_ijb_images(meta)
+        model = trained_backbone(cfg, backbone)
+        show = cfg["Logging"]["progress_bar"] and sys.stderr.isatty() if progress is None else progress
+        feats = extract_ijb_features(model, meta, cfg["Data"]["image_size"], cfg["Eval"]["batch_size"],
+                                     cfg["Data"]["num_workers"], progress=show and rank0)
+    if save_features and rank0:
+        save_ijb_features(save_features, feats)
+    report = ijb_report(feats, meta.templates, meta.medias, meta.pairs, meta.labels,
+                        meta.det_scores if detector_score else None, normalize_images, FAR_TARGETS)
+    result = {"target": meta.target.upper(), "num_images": meta.num_images,
+              "num_templates": report["num_templates"], "num_pairs": meta.num_pairs,
+              "tar_at_far": {str(float(k)): v for k, v in report["tar_at_far"].items()},
+              "auc": report["auc"], "detector_score": bool(detector_score),
+              "normalize_images": bool(normalize_images)}
+    if rank0:
+        out_dir = cfg["Global"]["output_dir"]
+        os.makedirs(out_dir, exist_ok=True)
+        stem = os.path.join(out_dir, meta.target.lower())
+        curves = {meta.target.upper(): (report["far"], report["tar"])}
+        _write_json(stem + "_result.json", result)
+        _write_npy(stem + "_scores.npy", report["scores"])
+        save_roc_png(curves, stem + "_roc.png", far_min=1e-6)
+        if cfg["Logging"]["visualdl"]:
+            _log_visualdl(os.path.join(out_dir, "vdl"), result, roc_image(curves, far_min=1e-6), int(step))
+        out.write(format_ijb_table(result) + "\n")
+        out.write(f"results: {stem}_result.json, {stem}_scores.npy, {stem}_roc.png\n")
+        if save_features:
+            out.write(f"features: {save_features}\n")
+    return dict(result, scores=report["scores"], far=report["far"], tar=report["tar"])

@@ -1,0 +1,45 @@
+"""IJB-B / IJB-C 1:1 template verification of a trained backbone: TAR@FAR table and AUC.
+
+    python tools/eval_ijb.py -c configs/arcface_r50.yaml --root IJB_release/IJBC --target IJBC \
+        -o Global.checkpoint=latest
+    python -m paddle.distributed.launch --nproc_per_node 8 tools/eval_ijb.py -c CONFIG \
+        --root IJB_release/IJBB --target IJBB -o Global.pretrained=backbone.pdparams
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from plsc.cli import config_parser, run_tool  # noqa: E402
+
+
+def evaluate(cfg, args):
+    from plsc.engine.ijb import evaluate_ijb
+    evaluate_ijb(cfg, args.root, args.target, features=args.features, save_features=args.save_features,
+                 detector_score=not args.no_detector_score, normalize_images=args.normalize_images)
+
+
+def main(argv=None):
+    parser = config_parser("IJB-B/IJB-C template verification (insightface's protocol and layout "
+                           "ROOT/meta, ROOT/loose_crop). Prints TAR at FAR 1e-6 .. 1e-1 and the AUC; "
+                           "writes <target>_result.json, <target>_scores.npy and <target>_roc.png to "
+                           "Global.output_dir. Weights: Global.checkpoint or Global.pretrained.")
+    parser.add_argument("--root", required=True, help="the target's folder, e.g. IJB_release/IJBC")
+    parser.add_argument("--target", required=True, choices=("IJBC", "IJBB"), type=str.upper,
+                        help="the protocol: reads ROOT/meta/<ijbc|ijbb>_*.txt")
+    parser.add_argument("--features", metavar="F.npy",
+                        help="read the image features from F.npy instead of running the backbone")
+    parser.add_argument("--save-features", metavar="F.npy",
+                        help="write the [num_images, d] float32 image features (order of "
+                             "<target>_name_5pts_score.txt)")
+    parser.add_argument("--no-detector-score", action="store_true",
+                        help="do not weight image features by their detector score")
+    parser.add_argument("--normalize-images", action="store_true",
+                        help="L2-normalise each image feature before pooling")
+    args = parser.parse_args(argv)
+    from plsc.data import DataError
+    return run_tool(args, evaluate, args, expected=(DataError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
