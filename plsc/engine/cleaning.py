@@ -58,6 +58,7 @@ from ..data.facerec import read_property, write_face_rec
 from ..metrics import angle_histogram_image, save_angle_histogram_png
 from .builders import select_device
 from .checkpoint import find_checkpoint
+from .evaluator import gather_shares, rank_share
 from .head_store import copy_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32
 from .progress import progress as show_progress
 
@@ -326,16 +327,13 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     model = trained_backbone(run_cfg, backbone)
     ds, kind = source_dataset(cfg)
     n = len(ds)
-    share = -(-n // world)
-    start, stop = min(n, rank * share), min(n, (rank + 1) * share)
+    start, stop, _ = rank_share(n)
     emb, labels = _embed_share(model, ds, start, stop, cfg["Eval"]["batch_size"],
                                cfg["Data"]["num_workers"], progress)
     cos = subcenter_cosines(path, meta, emb, labels) if emb is not None else np.zeros((0, k), np.float32)
     if world > 1:  # the [N, K] cosines and the labels, in data order, on every rank
-        padded = np.zeros((share, k + 1), np.float64)  # labels travel exactly in float64 (< 2^53)
-        padded[:len(labels), :k] = cos
-        padded[:len(labels), k] = labels
-        both = pd.gather_concat(paddle.to_tensor(padded)).numpy()[:n]
+        # labels travel exactly in float64 (< 2^53)
+        both = gather_shares(np.concatenate([cos, labels[:, None]], axis=1).astype(np.float64), n)
         cos, labels = both[:, :k].astype(np.float32), both[:, k].astype(np.int64)
     if rank != 0:  # rank 0 writes everything; no collective follows
         return None

@@ -8,7 +8,33 @@ from ..data import load_verification_arrays
 from ..distributed import gather_concat, get_rank, get_world_size
 from ..metrics import verification_report
 
-__all__ = ["VerificationEvaluator", "extract_embeddings", "embed"]
+__all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "rank_share", "gather_shares"]
+
+
+def rank_share(n):
+    """(start, stop) of this rank's contiguous share of `n` items, rank r taking
+    [r·⌈n/k⌉, (r+1)·⌈n/k⌉) clipped to n, and the share size ⌈n/k⌉."""
+    rank, world = get_rank(), get_world_size()
+    share = -(-n // world)
+    return min(n, rank * share), min(n, (rank + 1) * share), share
+
+
+def gather_shares(local, n, chunk_rows=1 << 16):
+    """The `n` rows of all ranks' shares (`local`: this rank's rows, numpy, at most ⌈n/k⌉ of
+    them; zero-padded to that) concatenated in rank order, on every rank, gathered
+    `chunk_rows` rows a rank at a time."""
+    world = get_world_size()
+    if world == 1:
+        return local[:n]
+    share = rank_share(n)[2]
+    padded = np.zeros((share,) + local.shape[1:], local.dtype)
+    padded[:len(local)] = local
+    out = np.empty((world, share) + local.shape[1:], local.dtype)
+    for lo in range(0, share, chunk_rows):
+        hi = min(lo + chunk_rows, share)
+        part = gather_concat(paddle.to_tensor(padded[lo:hi])).numpy()
+        out[:, lo:hi] = part.reshape((world, hi - lo) + local.shape[1:])
+    return out.reshape((world * share,) + local.shape[1:])[:n]
 
 
 def embed(model, images, batch_size):
@@ -28,18 +54,13 @@ def embed(model, images, batch_size):
 def extract_embeddings(model, data, batch_size):
     """Embeddings of `data` (N, 3, H, W) and of its horizontal flips, each rank doing
     a contiguous share; every rank returns all N rows of both."""
-    rank, world = get_rank(), get_world_size()
     n = len(data)
-    share = -(-n // world)
-    mine = data[rank * share:(rank + 1) * share]
+    start, stop, _ = rank_share(n)
+    mine = data[start:stop]
     dim = embed(model, data[:1], 1).shape[1]  # known even to a rank whose share is empty
 
     def collect(local):
-        if world == 1:
-            return local
-        padded = np.zeros((share, dim), np.float32)
-        padded[:len(local)] = local
-        return gather_concat(paddle.to_tensor(padded)).numpy()[:n]
+        return gather_shares(local.reshape(-1, dim), n)
 
     return collect(embed(model, mine, batch_size)), collect(embed(model, mine[..., ::-1], batch_size))
 

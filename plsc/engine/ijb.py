@@ -18,6 +18,7 @@ from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, r
 from ..data._atomic import atomic_path
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from .builders import select_device
+from .evaluator import gather_shares, rank_share
 from .progress import progress as show_progress
 from .tasks import trained_backbone
 
@@ -30,21 +31,6 @@ def _embedding_dim(model, image_size):
         return int(model(paddle.zeros([1, 3] + [int(v) for v in image_size])).shape[1])
 
 
-def _gather_rows(local, n, chunk_rows=1 << 16):
-    """Every rank's equal-sized `local` [share, d], concatenated in rank order, first `n` rows;
-    gathered `chunk_rows` rows per rank at a time."""
-    world = pd.get_world_size()
-    if world == 1:
-        return local[:n]
-    share, dim = local.shape
-    out = np.empty((world, share, dim), np.float32)
-    for lo in range(0, share, chunk_rows):
-        hi = min(lo + chunk_rows, share)
-        part = pd.gather_concat(paddle.to_tensor(local[lo:hi])).numpy()
-        out[:, lo:hi] = part.reshape(world, hi - lo, dim)
-    return out.reshape(world * share, dim)[:n]
-
-
 def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, progress=False):
     """[N, d] float32 features of the images of `meta` (in name_5pts_score order) on every
     rank: embedding of the aligned face + that of its mirror image, not normalised.
@@ -53,13 +39,12 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
     contiguous share ``[r·⌈N/k⌉, (r+1)·⌈N/k⌉)`` one batch at a time; the shares are
     all-gathered. `progress` draws a bar of this rank's share.
     """
-    rank, world, n = pd.get_rank(), pd.get_world_size(), meta.num_images
-    share = -(-n // world)
-    start, stop = min(rank * share, n), min((rank + 1) * share, n)
+    rank, n = pd.get_rank(), meta.num_images
+    start, stop, _ = rank_share(n)
     was_training = model.training
     model.eval()
     dim = _embedding_dim(model, image_size)
-    local = np.zeros((share, dim), np.float32)
+    local = np.zeros((stop - start, dim), np.float32)
     dataset = IJBFaceDataset(meta, image_size, start, stop)
     transform = FaceTransform(image_size, train=False, output="uint8")
     done = 0
@@ -75,7 +60,7 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
                 show_progress(done, len(dataset), progress, f"{meta.target} rank {rank}: ")
     if was_training:
         model.train()
-    return _gather_rows(local, n)
+    return gather_shares(local, n)
 
 
 def load_ijb_features(path, meta):
