@@ -1,11 +1,16 @@
 """The pieces every config-driven tool shares: `-c CONFIG -o Section.key=value`, and
-turning a bad config or a missing file into one line on stderr and exit code 2."""
+turning a bad config or a missing file into one line on stderr and exit code 2, bad data into
+one line and exit code 65."""
 import argparse
+import os
+import signal
 import sys
 
 from .config import ConfigError, load_config
 
-__all__ = ["config_parser", "run_tool"]
+__all__ = ["config_parser", "run_tool", "DATA_ERROR_EXIT_CODE"]
+
+DATA_ERROR_EXIT_CODE = 65  # EX_DATAERR: an input file is malformed
 
 
 def config_parser(description, override_example="-o Global.checkpoint=latest"):
@@ -18,11 +23,32 @@ def config_parser(description, override_example="-o Global.checkpoint=latest"):
 
 def run_tool(args, task, *extra, expected=()):
     """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code (the task's
-    own when it returns an int, e.g. a preempted training's). A ConfigError, a
+    own when it returns an int, e.g. a preempted training's). A DataError (a bad image or
+    record, here or on another rank) prints one line and gives 65; a ConfigError, a
     FileNotFoundError or an exception of the types `expected` prints one line and gives 2."""
+    from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
     try:
         code = task(load_config(args.config, args.override), *extra)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        code = DATA_ERROR_EXIT_CODE
     except (ConfigError, FileNotFoundError, *expected) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
-    return code if type(code) is int else 0
+        code = 2
+    code = code if type(code) is int else 0
+    if code:
+        _keep_status_on_sigterm(code)
+    return code
+
+
+def _keep_status_on_sigterm(code):
+    """While this process winds down with status `code`, a SIGTERM ends it with that status:
+    Paddle's launcher terminates the other ranks when one exits, and its own exit status is the
+    first rank's (a rank ended by the signal would hide why the job stopped)."""
+    def end(signum, frame):
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        signal.signal(signal.SIGTERM, end)
+    except ValueError:  # not the main thread
+        pass

@@ -83,7 +83,9 @@ SCHEMA = {
         "root": _k(str, REQUIRED, "dataset directory (or list file for 'list')"),
         "image_size": _k(list, [112, 112], "[height, width] fed to the backbone"),
         "batch_size": _k(int, 128, "per-rank batch size"),
-        "num_workers": _k(int, 2, "DataLoader worker processes per rank"),
+        "num_workers": _k(int, 2, "data loading worker processes per rank (0: the rank itself)"),
+        "skip_bad": _k(int, 0, "bad samples (undecodable image, corrupt record) a rank may skip "
+                       "per epoch, each replaced by the next good one; 0: stop at the first"),
         "random_flip": _k(bool, True, "random horizontal flip in training"),
         "synthetic": _k(dict, {}, "arguments of plsc.data generate_synthetic (dataset: synthetic)"),
     },
@@ -134,6 +136,8 @@ SCHEMA = {
     "Checkpoint": {
         "interval": _k(int, 2000, "steps between checkpoints (and at the end)"),
         "keep_last": _k(int, 3, "checkpoints kept (older ones are deleted)"),
+        "verify": _k(str, "full", "check a checkpoint against its manifest before resuming: "
+                     "full (sizes and checksums), size or none", choices=("full", "size", "none")),
     },
     "Logging": {
         "visualdl": _k(bool, True, "write VisualDL scalars under output_dir/vdl"),
@@ -217,6 +221,8 @@ def _check_ranges(cfg, source):
          f"Loss.chunk_size must be null, 0 or positive, got {loss['chunk_size']}")
     need(loss["logits_budget_mb"] > 0, f"Loss.logits_budget_mb must be > 0, got {loss['logits_budget_mb']}")
     need(data["batch_size"] >= 1, f"Data.batch_size must be >= 1, got {data['batch_size']}")
+    for key in ("num_workers", "skip_bad"):
+        need(data[key] >= 0, f"Data.{key} must be >= 0, got {data[key]}")
     need(len(data["image_size"]) == 2 and all(isinstance(v, int) and v > 0 for v in data["image_size"]),
          f"Data.image_size must be [height, width] of positive ints, got {data['image_size']}")
     need(g["epochs"] >= 1 or g["max_steps"], f"Global.epochs must be >= 1, got {g['epochs']}")

@@ -14,14 +14,15 @@ import plsc.engine.checkpoint as checkpoint  # noqa: E402
 from plsc.engine import Trainer  # noqa: E402
 
 saves = {"n": 0}
-real_save_rows = checkpoint.save_rows_npy
+real_save_rows = checkpoint.write_rows_npy
 
 
 def save_rows_then_die(path, array):
-    real_save_rows(path, array)
+    written = real_save_rows(path, array)
     if "step_00000006" in path:  # the second checkpoint: die with its files half written
         os.kill(os.getpid(), signal.SIGKILL)
+    return written
 
 
-checkpoint.save_rows_npy = save_rows_then_die
+checkpoint.write_rows_npy = save_rows_then_die
 Trainer(config(sys.argv[1], sys.argv[2])).train()

@@ -124,7 +124,7 @@ def test_bad_features_file_and_bad_layout_fail_in_one_line(setup, tmp_path, caps
     np.save(bad, np.zeros((5, 32), np.float32))
     args = ["-c", setup["yaml"], "--root", setup["root"], "--target", "IJBC",
             "-o", f"Global.output_dir={tmp_path}"]
-    assert _tool_main(args + ["--features", bad]) == 2
+    assert _tool_main(args + ["--features", bad]) == 65  # a bad data file: EX_DATAERR
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}: features of shape (5, 32)") and "ijbc_name_5pts_score.txt" in err
     assert _tool_main(args[:3] + [str(tmp_path / "nowhere")] + args[4:]) == 2
@@ -148,6 +148,30 @@ def test_two_launched_ranks_give_the_features_of_one_process(setup, single, tmp_
     assert saved["num_images"] == single["result"]["num_images"]
     assert saved["auc"] == pytest.approx(single["result"]["auc"], abs=1e-4)
     assert "TAR (%)" in logs  # rank 0 printed the table
+
+
+def test_undecodable_image_in_one_ranks_share_stops_both(setup, tmp_path):
+    """The last image (rank 1's share) is text: both ranks end with status 65, rank 1 naming the
+    image, rank 0 naming rank 1; SIGKILLed after 120 s so that a hang fails here."""
+    import shutil
+    root = str(tmp_path / "IJBC")
+    shutil.copytree(setup["root"], root)
+    with open(os.path.join(root, "meta", "ijbc_name_5pts_score.txt")) as f:
+        last = f.read().split("\n")[-2].split()[0]
+    with open(os.path.join(root, "loose_crop", last), "wb") as f:
+        f.write(b"not a face")
+    logs = tmp_path / "log"
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(logs), TOOL, "-c", setup["yaml"], "--root", root, "--target", "IJBC",
+           "-o", f"Global.output_dir={tmp_path / 'out'}", "-o", "Data.num_workers=1",
+           "-o", "Eval.batch_size=8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    texts = [open(logs / f"workerlog.{r}").read() for r in range(2)]
+    assert proc.returncode == 65, proc.stdout[-2000:] + "".join(t[-2000:] for t in texts)
+    lines = [[line for line in t.splitlines() if line.startswith("error:")] for t in texts]
+    assert len(lines[1]) == 1 and last in lines[1][0] and "cannot decode" in lines[1][0], texts[1]
+    assert lines[0] == ["error: rank 0: rank 1 stopped on a data error while loading its share of "
+                        "the images (its log names the file or record); exiting"], texts[0]
 
 
 def test_training_log_writes_the_roc_image(tmp_path):

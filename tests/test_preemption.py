@@ -32,12 +32,41 @@ def test_stop_signals_are_recorded_then_restored():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's burst: the same request
+        time.sleep(0.2)
         assert stop.signum == signal.SIGTERM and stop.repeats == 1
-        assert stop.agreed() == signal.SIGTERM  # a world of one: its own flag
-        with pytest.raises(KeyboardInterrupt):  # Ctrl-C after a first signal: stop now
-            os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agree() == (signal.SIGTERM, -1)  # a world of one: its own flags
+        assert stop.agree(data_failed=True) == (signal.SIGTERM, 0)
     assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.set_wakeup_fd(-1) == -1  # the wake-up pipe was given back
+
+
+_SECOND_SIGNAL = """
+import os, signal, sys, threading, time
+from plsc.engine.preemption import StopSignals
+first, second = (getattr(signal, 'SIG' + name) for name in sys.argv[1:3])
+gap = float(sys.argv[3])
+with StopSignals():
+    def send():
+        os.kill(os.getpid(), first)
+        time.sleep(gap)
+        os.kill(os.getpid(), second)
+    threading.Thread(target=send).start()
+    threading.Event().wait(60)  # the main thread blocked, as inside a collective
+print("not ended")
+"""
+
+
+@pytest.mark.parametrize("first,second,gap", [("INT", "INT", 0.1), ("TERM", "TERM", 1.5),
+                                              ("TERM", "INT", 0.1)])
+def test_second_signal_ends_the_process_at_once(first, second, gap):
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, first, second, str(gap)],
+                          capture_output=True, text=True, timeout=50)
+    assert time.time() - start < 20
+    signum = getattr(signal, "SIG" + second)
+    assert proc.returncode == 128 + signum, proc.stdout + proc.stderr
+    assert proc.stderr.count("plsc: second stop signal") == 1 and "not ended" not in proc.stdout
 
 
 def test_auto_starts_fresh_then_resumes(tmp_path, data_root):

@@ -22,8 +22,8 @@ def evaluate(cfg, args):
 def main(argv=None):
     parser = config_parser("IJB-B/IJB-C template verification (insightface's protocol and layout "
                            "ROOT/meta, ROOT/loose_crop). Prints TAR at FAR 1e-6 .. 1e-1 and the AUC; "
-                           "writes <target>_result.json, <target>_scores.npy and <target>_roc.png to "
-                           "Global.output_dir. Weights: Global.checkpoint or Global.pretrained.")
+                           "writes <target>_result.json, <target>_scores.npy and <target>_roc.png (target "
+                           "in lower case: ijbc_result.json, ...) to Global.output_dir. Weights: Global.checkpoint or Global.pretrained.")
     parser.add_argument("--root", required=True, help="the target's folder, e.g. IJB_release/IJBC")
     parser.add_argument("--target", required=True, choices=("IJBC", "IJBB"), type=str.upper,
                         help="the protocol: reads ROOT/meta/<ijbc|ijbb>_*.txt")
@@ -37,8 +37,7 @@ def main(argv=None):
     parser.add_argument("--normalize-images", action="store_true",
                         help="L2-normalise each image feature before pooling")
     args = parser.parse_args(argv)
-    from plsc.data import DataError
-    return run_tool(args, evaluate, args, expected=(DataError,))
+    return run_tool(args, evaluate, args)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plsc.engine.checkpoint import (export_classifier, import_classifier, read_meta,  # noqa: E402
-                                    reshard_checkpoint)
+from plsc.engine.checkpoint import (CheckpointDamaged, export_classifier,  # noqa: E402
+                                    import_classifier, read_meta, reshard_checkpoint,
+                                    verify_checkpoint)
 
 
 def main(argv=None):
@@ -38,9 +39,12 @@ def main(argv=None):
                    "dtype; stored in the checkpoint's)")
     p.add_argument("--import-bias", metavar="NPY", help="bias [C] to put in (softmax heads)")
     p.add_argument("--output", help="new checkpoint folder (for --world-size and --import)")
+    p.add_argument("--verify", choices=("full", "size", "none"), default="full",
+                   help="check CKPT against its manifest first (default full: sizes and checksums)")
     a = p.parse_args(argv)
     try:
         meta = read_meta(a.checkpoint)
+        verify_checkpoint(a.checkpoint, a.verify)
         if sum(x is not None for x in (a.world_size, a.export, a.import_)) != 1:
             p.error("give exactly one of --world-size, --export, --import")
         if a.export:
@@ -55,6 +59,9 @@ def main(argv=None):
         else:
             import_classifier(a.checkpoint, a.output, a.import_, a.import_bias)
             print(f"wrote {a.output} with the classifier from {a.import_}")
+    except CheckpointDamaged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 65
     except (FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
 On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a checkpoint is
 written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
 same command resumes from it. When another rank dies, the others exit with status 69 and
-one line naming it.
+one line naming it. When a checkpoint cannot be written (disk full, I/O error) every rank
+exits with status 74 and one line (see docs/faults.md).
 """
 import os
 import sys
@@ -18,6 +19,7 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 
 def train(cfg):
     from plsc.engine import Trainer
+    from plsc.engine.checkpoint import IO_ERROR_EXIT_CODE, CheckpointSaveError
     from plsc.engine.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
     try:
         Trainer(cfg).train()
@@ -27,6 +29,9 @@ def train(cfg):
     except RankLost as err:
         print(f"plsc: {err}", file=sys.stderr, flush=True)
         return RANK_LOST_EXIT_CODE
+    except CheckpointSaveError as err:
+        print(f"plsc: {err}", file=sys.stderr, flush=True)
+        return IO_ERROR_EXIT_CODE
 
 
 def main(argv=None):

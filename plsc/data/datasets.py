@@ -2,10 +2,10 @@
 
 All share one transform (`FaceTransform`) and one policy for bad samples:
 by default a DataError naming the file and key; with ``skip_bad=True`` the
-sample is replaced by the next good one and the skip is logged and counted
-(`num_skipped`, per process).
+sample is replaced by the next good one and the skip is counted (`num_skipped`, per process)
+and its message appended to `skipped`, which `plsc.data.DataLoader` hands to the main process
+(which logs it and keeps the run's count).
 """
-import logging
 import os
 import struct
 
@@ -19,7 +19,6 @@ from .transforms import FaceTransform
 
 __all__ = ["RecordIODataset", "ImageFolderDataset", "ImageListDataset"]
 
-logger = logging.getLogger("plsc.data")
 _FAST = struct.Struct("<IIIf")  # record magic, length word, IRHeader flag and label
 _MAX_CONSECUTIVE_BAD = 100
 
@@ -31,6 +30,7 @@ class _FaceDataset(paddle.io.Dataset):
         self.num_classes = num_classes
         self.skip_bad = skip_bad
         self.num_skipped = 0
+        self.skipped = []  # messages of skipped samples not yet taken by the loader
 
     def _load(self, i):
         """``(encoded image, label, ref)`` of sample `i`, `ref` naming it for `_where`; DataError if bad."""
@@ -66,7 +66,7 @@ class _FaceDataset(paddle.io.Dataset):
 
     def _skipped(self, err):
         self.num_skipped += 1
-        logger.warning("skipped bad sample (%d skipped so far in process %d): %s", self.num_skipped, os.getpid(), err)
+        self.skipped.append(str(err))
 
     def _check_label(self, label, ref):
         """`label` as an int; DataError naming `ref` unless it is an integer in [0, num_classes)."""
@@ -117,7 +117,7 @@ class RecordIODataset(_FaceDataset):
             raise DataError(msg + f"; {len(bad)} index entries are bad")
         reader.drop(bad)
         self.num_skipped += len(bad)
-        logger.warning("skipped %d index entries past the end of the file: %s", len(bad), msg)
+        self.skipped.append(f"{msg}; {len(bad)} index entries dropped")
 
     def __len__(self):
         return len(self.keys)

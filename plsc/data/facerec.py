@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
+from ..fileio import atomic_write
 from . import irheader
-from ._atomic import atomic_path
 from .errors import DataError
 from .recordio import RecordIOWriter
 
@@ -30,8 +30,7 @@ def read_property(path):
 
 
 def write_property(path, num_classes, height, width):
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{int(num_classes)},{int(height)},{int(width)}\n")
+    atomic_write(path, f"{int(num_classes)},{int(height)},{int(width)}\n")
 
 
 def image_keys(reader):

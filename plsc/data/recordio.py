@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from ._atomic import TempName
+from ..fileio import AtomicWriter
 from .errors import DataError
 
 __all__ = ["MAGIC", "encode_record", "decode_record", "read_index", "RecordIOReader", "RecordIOWriter"]
@@ -246,9 +246,12 @@ class RecordIOWriter:
     def __init__(self, rec_path, idx_path=None):
         self.rec_path = os.fspath(rec_path)
         self.idx_path = os.fspath(idx_path) if idx_path else os.path.splitext(self.rec_path)[0] + ".idx"
-        self._names = (TempName(self.rec_path), TempName(self.idx_path))
-        self._rec = open(self._names[0].tmp, "wb")
-        self._idx = open(self._names[1].tmp, "w", encoding="ascii")
+        self._rec = AtomicWriter(self.rec_path)
+        try:
+            self._idx = AtomicWriter(self.idx_path)
+        except BaseException:
+            self._rec.abort()
+            raise
         self._offset = 0
 
     def write(self, key, payload):
@@ -269,14 +272,17 @@ class RecordIOWriter:
     def _finish(self, commit):
         if self._rec is None:
             return
-        self._rec.close()
-        self._idx.close()
-        self._rec = self._idx = None
-        for name in self._names:
-            if commit:
-                name.commit()
-            else:
-                name.discard()
+        files, self._rec, self._idx = (self._rec, self._idx), None, None
+        try:
+            for f in files:
+                if commit:
+                    f.commit()
+                else:
+                    f.abort()
+        except BaseException:
+            for f in files:
+                f.abort()
+            raise
 
     def __enter__(self):
         return self

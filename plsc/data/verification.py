@@ -10,7 +10,7 @@ import pickle
 import cv2
 import numpy as np
 
-from ._atomic import atomic_path
+from ..fileio import AtomicWriter
 from .errors import DataError
 from .transforms import FaceTransform, decode_image
 
@@ -82,7 +82,7 @@ def write_verification_bin(path, images, issame, ext=".jpg", quality=95):
         if not ok:
             raise ValueError(f"cannot encode image {i} as {ext}")
         bins.append(enc.tobytes())
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with AtomicWriter(path) as f:
         pickle.dump((bins, issame), f, protocol=4)
 
 

@@ -9,8 +9,8 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
-__all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_",
-           "all_gather", "reduce_scatter"]
+__all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_", "broadcast_",
+           "sync_buffers", "all_gather", "reduce_scatter"]
 
 # Backends whose process group implements reduce_scatter (gloo does not).
 _REDUCE_SCATTER_BACKENDS = ("NCCL", "BKCL", "XCCL", "FLAGCX")
@@ -64,6 +64,37 @@ def all_reduce_(x, op="sum", group=None):
     if group_rank_size(group)[1] > 1:
         dist.all_reduce(x, op=ops[op], group=group)
     return x
+
+
+def broadcast_(x, src=0, group=None):
+    """In place: every rank's `x` becomes rank `src`'s (a global rank); returns `x`."""
+    if group_rank_size(group)[1] > 1:
+        dist.broadcast(x, src=src, group=group)
+    return x
+
+
+def sync_buffers(model, src=0, group=None):
+    """Give every rank rank `src`'s buffers of `model` and its parameters without gradient
+    (BatchNorm's running mean and variance).
+
+    The backbone is data-parallel, but its buffers are not gradients: each rank's BatchNorm
+    running statistics follow its own samples, so replicas drift apart while their weights
+    stay equal. Called before evaluating and before saving, it makes every rank evaluate with
+    exactly the statistics the checkpoint (rank 0's state) holds, so the accuracy logged during
+    training is what the saved weights give. Broadcast rather than average: it is what
+    torch's DistributedDataParallel does (broadcast_buffers, from rank 0), it is exact (no
+    rounding in a sum, no change to rank 0's values), and an average of running variances is
+    not the variance of the pooled samples anyway. Returns `model`.
+    """
+    if group_rank_size(group)[1] == 1:
+        return model
+    # Paddle's BatchNorm keeps its running statistics as parameters without gradient
+    # (`_mean`, `_variance`), not as buffers: both kinds are synchronised.
+    tensors = [p for p in model.parameters() if p.stop_gradient] + list(model.buffers())
+    with paddle.no_grad():
+        for t in {id(t): t for t in tensors if t is not None and t._is_initialized()}.values():
+            broadcast_(t, src, group)
+    return model
 
 
 class _AllGather(PyLayer):

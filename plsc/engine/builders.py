@@ -70,7 +70,8 @@ def build_train_dataset(cfg):
         kind = "recordio"
     if not os.path.exists(root):
         raise ConfigError(f"Data.root {root} does not exist; {DATA_HELP}")
-    common = dict(image_size=size, train=True, num_classes=cfg["Loss"]["num_classes"])
+    common = dict(image_size=size, train=True, num_classes=cfg["Loss"]["num_classes"],
+                  skip_bad=d["skip_bad"] > 0)
     if kind == "recordio":
         for name in ("train.rec", "train.idx"):
             if not os.path.isfile(os.path.join(root, name)):

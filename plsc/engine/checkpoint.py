@@ -1,21 +1,37 @@
-"""Checkpoints that survive a kill in the middle of a save and a change of world size.
+"""Checkpoints that survive a kill in the middle of a save, a full disk, damaged files and a
+change of world size.
 
 Layout of `<output_dir>/checkpoints/step_00001234/`:
 
-    meta.json                  step, epoch, partition, world size, ... (written last)
     backbone.pdparams          backbone weights and buffers (rank 0)
     trainer.pdstates           backbone optimizer + LR schedule + loss scaler (rank 0)
-    rng_rank{r}.pkl            Python, NumPy and Paddle RNG states of rank r
+    rng_rank{r}.pkl            Python, NumPy and Paddle RNG states of rank r, and its
+                               count of skipped bad samples (Data.skip_bad)
     head_rank{r}/<name>.npy    rank r's rows of every class-indexed array: the
                                weight, the bias and their optimizer state
+    meta.json                  step, epoch, partition, world size, ... (rank 0)
+    manifest.json              size and CRC-32 of every file above (rank 0, written last)
 
 The head arrays, their dtypes (meta.json `head_dtypes`), streamed saves and loads, re-sharding
-and export are `plsc.engine.head_store`'s. A head optimizer's scalar state is in meta.json
-(`head_opt_step_count`).
+and export are `plsc.engine.head_store`'s; the manifest and the checks are
+`plsc.engine.manifest`'s. A head optimizer's scalar state is in meta.json
+(`head_opt_step_count`). Every file goes through `plsc.fileio`'s atomic writer.
 
-Every rank writes into `step_XXXXXXXX.tmp`; after a barrier rank 0 renames the folder and
-rewrites `latest`; a folder without `meta.json` or ending in `.tmp` is never loaded.
+A save: the ranks add up the bytes they are about to write and stop, all of them, when the
+disk cannot hold them; every rank writes into `step_XXXXXXXX.tmp`; the ranks exchange their
+files' sizes and checksums (and any error); rank 0 writes meta.json and the manifest, renames
+the folder and rewrites `latest`. A failure on any rank makes every rank raise the same
+`CheckpointSaveError` (one line: what failed, free space against the checkpoint's size, the
+previous checkpoint) and the temporary folder is removed; `tools/train.py` exits with
+`IO_ERROR_EXIT_CODE`. A folder without `meta.json` or ending in `.tmp` is never loaded;
+`remove_leftovers` deletes those of a crashed run.
+
+A resume (`agree_checkpoint`) verifies the checkpoint against its manifest
+(`Checkpoint.verify`); under `auto`/`latest` a damaged newest checkpoint is reported and the
+ranks fall back together to the newest intact one.
 """
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -26,17 +42,48 @@ import shutil
 import numpy as np
 import paddle
 
-from ..distributed import barrier, get_rank, get_world_size
-from .head_store import (array_dtype, atomic_write, export_classifier, head_dtype,  # noqa: F401
+from .. import distributed as pd
+from ..fileio import FileRecord, atomic_write, free_bytes, is_temporary
+from .head_store import (array_dtype, export_classifier, head_array_bytes, head_dtype,  # noqa: F401
                          import_classifier, load_head_rows, load_head_rows_into, read_meta,
-                         reshard_checkpoint, save_rows_npy, write_bytes)
+                         reshard_checkpoint, save_rows_npy, write_rows_npy)
+from .manifest import CheckpointDamaged, verify_checkpoint, write_manifest
 
-__all__ = ["CheckpointManager", "find_checkpoint", "read_meta", "load_head_rows", "capture_rng",
-           "restore_rng", "portable_optimizer_state", "local_optimizer_state", "reshard_checkpoint",
+__all__ = ["CheckpointManager", "find_checkpoint", "agree_checkpoint", "checkpoints_newest_first",
+           "remove_leftovers", "read_meta", "load_head_rows", "capture_rng", "restore_rng",
+           "portable_optimizer_state", "local_optimizer_state", "reshard_checkpoint",
            "export_classifier", "import_classifier", "save_best", "save_rows_npy",
-           "load_head_rows_into", "head_dtype"]
+           "load_head_rows_into", "head_dtype", "load_paddle_file", "verify_checkpoint",
+           "CheckpointDamaged", "CheckpointSaveError", "IO_ERROR_EXIT_CODE"]
 
+IO_ERROR_EXIT_CODE = 74  # EX_IOERR: an error while writing a file
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER_DIR = re.compile(r"^(step_\d{8}|best_.+)\.(tmp|old)$")
+
+
+class CheckpointSaveError(Exception):
+    """A checkpoint could not be written (disk full, I/O error, permission): one line."""
+
+
+def _human(n):
+    """Bytes as '1.5 GB'."""
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _exchange(obj, group=None):
+    """Every rank's JSON-able `obj`, in rank order, on every rank (two all-reduces)."""
+    rank, world = pd.group_rank_size(group)
+    if world == 1:
+        return [obj]
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    length = pd.all_reduce_(paddle.to_tensor([float(data.size)], dtype="float32"), "max", group)
+    buf = np.zeros((world, int(length.item())), np.float32)
+    buf[rank, :data.size] = data
+    rows = pd.all_reduce_(paddle.to_tensor(buf), "sum", group).numpy().astype(np.uint8)
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in rows]
 
 
 def capture_rng():
@@ -76,21 +123,172 @@ def local_optimizer_state(state, model):
     return _rename_keys(state, {f"@{n}": p.name for n, p in model.named_parameters()})
 
 
-def find_checkpoint(path, output_dir):
-    """Resolve a Global.checkpoint value: 'latest' (the newest complete checkpoint under
-    output_dir; an error if there is none), 'auto' (the same, or None when there is none:
-    start fresh) or a checkpoint folder (checked)."""
-    if path in ("latest", "auto"):
-        root = os.path.join(output_dir, "checkpoints")
-        done = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else ())
-                      if _STEP_DIR.match(d) and os.path.isfile(os.path.join(root, d, "meta.json")))
-        if not done:
-            if path == "auto":
-                return None
-            raise FileNotFoundError(f"Global.checkpoint=latest but {root} holds no complete checkpoint")
-        return os.path.join(root, done[-1])
-    read_meta(path)
-    return path
+def checkpoints_newest_first(output_dir):
+    """The complete checkpoint folders (with meta.json) under `output_dir`, newest first."""
+    root = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else ()
+    return [os.path.join(root, d) for d in sorted(names, reverse=True)
+            if _STEP_DIR.match(d) and os.path.isfile(os.path.join(root, d, "meta.json"))]
+
+
+def _none_found(path, output_dir):
+    if path == "auto":
+        return None
+    raise FileNotFoundError(f"Global.checkpoint=latest but {os.path.join(output_dir, 'checkpoints')} "
+                            "holds no complete checkpoint")
+
+
+def find_checkpoint(path, output_dir, verify="none", warn=None, only=None):
+    """Resolve a Global.checkpoint value in this process: 'latest' (the newest complete
+    checkpoint under output_dir; an error if there is none), 'auto' (the same, or None when
+    there is none: start fresh) or a checkpoint folder (checked).
+
+    `verify` ("full", "size", "none"): under auto/latest a damaged checkpoint is passed to
+    `warn(message)` and the next older one tried; an explicit folder raises `CheckpointDamaged`.
+    `only`: verify only these files of it (e.g. ("backbone.pdparams",))."""
+    if path not in ("latest", "auto"):
+        read_meta(path)
+        verify_checkpoint(path, verify, only=only)
+        return path
+    found = checkpoints_newest_first(output_dir)
+    damaged = []
+    for candidate in found:
+        try:
+            verify_checkpoint(candidate, verify, only=only)
+            return candidate
+        except CheckpointDamaged as err:
+            damaged.append(err)
+            if warn is not None:
+                warn(_fallback_message(err, candidate, found))
+    if damaged:
+        raise _all_damaged(output_dir, damaged[0])
+    return _none_found(path, output_dir)
+
+
+def _fallback_message(err, candidate, found):
+    older = found[found.index(candidate) + 1:]
+    then = f"trying {os.path.basename(older[0])}" if older else "no older checkpoint left"
+    return f"checkpoint {os.path.basename(candidate)} is damaged and is skipped: {err}; {then}"
+
+
+def _all_damaged(output_dir, first):
+    return CheckpointDamaged(first.file, f"{first.reason}; no intact checkpoint "
+                             f"is left under {os.path.join(output_dir, 'checkpoints')}")
+
+
+def agree_checkpoint(path, output_dir, verify="full", warn=None, group=None):
+    """`find_checkpoint` for all ranks together: the ranks split the verification reads, learn
+    of damage found by any of them and pick the same checkpoint (rank 0's listing decides the
+    candidates). `warn(message)` is called on rank 0."""
+    rank, world = pd.group_rank_size(group)
+    explicit = path not in ("latest", "auto")
+    if explicit:
+        read_meta(path)
+        found = [path]
+    else:
+        found = _exchange(checkpoints_newest_first(output_dir) if rank == 0 else None, group)[0]
+    first = None
+    for candidate in found:
+        try:
+            verify_checkpoint(candidate, verify, share=(rank, world))
+            mine = None
+        except CheckpointDamaged as err:
+            mine = [err.file, err.reason]
+        reports = [r for r in _exchange(mine, group) if r]
+        if not reports:
+            return candidate
+        err = CheckpointDamaged(*reports[0])
+        if explicit:
+            raise err
+        first = first or err
+        if warn is not None and rank == 0:
+            warn(_fallback_message(err, candidate, found))
+    if first is not None:
+        raise _all_damaged(output_dir, first)
+    return _none_found(path, output_dir)
+
+
+def remove_leftovers(output_dir):
+    """Delete what a crashed save leaves: `checkpoints/step_*.tmp` folders, the atomic writer's
+    temporary files there and in `output_dir`, and `best_*.tmp`/`best_*.old` folders. Call it
+    on one rank before any save; returns the names removed."""
+    removed = []
+    for folder in (output_dir, os.path.join(output_dir, "checkpoints")):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            full = os.path.join(folder, name)
+            if os.path.isdir(full) and _LEFTOVER_DIR.match(name):
+                shutil.rmtree(full, ignore_errors=True)
+            elif os.path.isfile(full) and is_temporary(name):
+                os.remove(full)
+            else:
+                continue
+            removed.append(os.path.relpath(full, output_dir))
+    return removed
+
+
+def load_paddle_file(file):
+    """`paddle.load(file)` with a `CheckpointDamaged` naming the file when it does not parse."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} is missing")
+    try:
+        return paddle.load(file)
+    except (ValueError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError) as err:
+        raise CheckpointDamaged(file, f"paddle.load cannot read it ({str(err)[:200]})") from None
+
+
+def _previous(root, step):
+    """Which checkpoint a resume would use instead of `step` (the newest other one whose
+    files have their manifest's sizes), for messages."""
+    for path in checkpoints_newest_first(os.path.dirname(root)):
+        if path.endswith(f"step_{step:08d}"):
+            continue
+        try:
+            verify_checkpoint(path, "size")
+        except (CheckpointDamaged, OSError):
+            continue
+        return f"the previous checkpoint (step {int(path[-8:])}, {path}) is intact"
+    return "there is no intact previous checkpoint"
+
+
+class _Save:
+    """What a rank reports to the others after a part of a save: its error, if any."""
+
+    def __init__(self, root, label, previous, group):
+        self.root, self.label, self.previous, self.group = root, label, previous, group
+        self.need = 0
+        self.error = self.original = None
+
+    @contextlib.contextmanager
+    def part(self):
+        """Run a part of the save, keeping an error to report instead of raising it."""
+        try:
+            yield
+        except OSError as err:
+            where = f" {err.filename}" if err.filename else ""
+            self.error = {"what": f"could not write{where}: {err.strerror or err}",
+                          "free": free_bytes(self.root)}
+        except Exception as err:  # a bug, not the disk: this rank re-raises it
+            self.original = err
+            self.error = {"what": f"failed: {type(err).__name__}: {err}",
+                          "free": free_bytes(self.root)}
+
+    def agree(self, tmp, extra=None):
+        """Exchange errors (and `extra`); raise the same failure on every rank if any; the
+        other ranks' `extra`."""
+        rank, _ = pd.group_rank_size(self.group)
+        reports = _exchange({"error": self.error, "extra": extra}, self.group)
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+        if not failed:
+            return [rep["extra"] for rep in reports]
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.original is not None:
+            raise self.original
+        who, error = failed[0]
+        raise CheckpointSaveError(
+            f"{self.label} not written: rank {who} {error['what']} ({_human(error['free'])} "
+            f"free, it needs {_human(self.need)}); {self.previous()}; the partial folder was "
+            "removed")
 
 
 class CheckpointManager:
@@ -101,40 +299,71 @@ class CheckpointManager:
         self.keep_last = int(keep_last)
         self.group = group
 
-    def save(self, step, meta, backbone_state, trainer_state, head_arrays):
-        """Write checkpoint `step`. `head_arrays` maps names to this rank's row arrays
-        (Paddle tensors, written a slab of rows at a time, or numpy arrays); meta.json gets
-        their dtypes as `head_dtypes`."""
-        rank, world = get_rank(), get_world_size()
+    def save(self, step, meta, backbone_state, trainer_state, head_arrays, rank_state=None):
+        """Write checkpoint `step` (all ranks). `head_arrays` maps names to this rank's row
+        arrays (Paddle tensors, written a slab of rows at a time, or numpy arrays); meta.json
+        gets their dtypes as `head_dtypes`. `rank_state` (picklable values of this rank) is
+        kept beside its RNG states and returned by `load` with them. Raises `CheckpointSaveError` on every rank when
+        any rank fails."""
+        rank, world = pd.group_rank_size(self.group)
         final = os.path.join(self.root, f"step_{step:08d}")
         tmp = final + ".tmp"
+        state = _Save(self.root, f"checkpoint step {step}", lambda: _previous(self.root, step),
+                      self.group)
+        files = {f"rng_rank{rank}.pkl": pickle.dumps(dict(capture_rng(), **(rank_state or {})))}
         if rank == 0:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-        barrier()
-        head_dir = os.path.join(tmp, f"head_rank{rank}")
-        os.makedirs(head_dir, exist_ok=True)
-        for name, array in head_arrays.items():  # Paddle tensors are streamed, not copied whole
-            save_rows_npy(os.path.join(head_dir, f"{name}.npy"), array)
-        write_bytes(os.path.join(tmp, f"rng_rank{rank}.pkl"), pickle.dumps(capture_rng()))
-        if rank == 0:
-            atomic_write(os.path.join(tmp, "backbone.pdparams"),
-                          lambda p: paddle.save(backbone_state, p))
-            atomic_write(os.path.join(tmp, "trainer.pdstates"),
-                          lambda p: paddle.save(trainer_state, p))
-        barrier()
-        if rank == 0:
-            meta = dict(meta, step=step, world_size=world,
-                        head_dtypes={n: array_dtype(a) for n, a in sorted(head_arrays.items())})
-            write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            write_bytes(os.path.join(self.root, "latest"), (os.path.basename(final) + "\n").encode())
-            self._prune()
-        barrier()
+            files["backbone.pdparams"] = _serialized(backbone_state)
+            files["trainer.pdstates"] = _serialized(trainer_state)
+        need = sum(len(b) for b in files.values()) + sum(
+            head_array_bytes(a) + 128 for a in head_arrays.values()) + (64 << 10)  # + meta
+        with state.part():
+            if rank == 0:
+                if os.path.exists(tmp):
+                    shutil.rmtree(tmp)
+                os.makedirs(tmp)
+        infos = state.agree(tmp, {"need": need, "free": free_bytes(self.root)})
+        state.need = sum(i["need"] for i in infos)
+        free = infos[0]["free"]
+        if not _fits(state.need, free):  # the same decision on every rank: rank 0's free space
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(
+                f"checkpoint step {step} not written: it needs {_human(state.need)} but "
+                f"{self.root} has {_human(free)} free; {_previous(self.root, step)}")
+        records = {}
+        with state.part():
+            head_dir = os.path.join(tmp, f"head_rank{rank}")
+            os.makedirs(head_dir, exist_ok=True)
+            for name, array in head_arrays.items():  # Paddle tensors are streamed, not copied
+                records[f"head_rank{rank}/{name}.npy"] = write_rows_npy(
+                    os.path.join(head_dir, f"{name}.npy"), array)[1]
+            for name, data in files.items():
+                records[name] = atomic_write(os.path.join(tmp, name), data)
+        del files
+        ranks_records = state.agree(tmp, {k: list(v) for k, v in records.items()})
+        with state.part():
+            if rank == 0:
+                self._finish(tmp, final, step, meta, head_arrays, world, ranks_records)
+        state.agree(tmp)
         return final
+
+    def _finish(self, tmp, final, step, meta, head_arrays, world, ranks_records):
+        """Rank 0: meta.json, the manifest (last), the rename, `latest`, pruning."""
+        records = {name: tuple(r) for part in ranks_records for name, r in part.items()}
+        meta = dict(meta, step=step, world_size=world, manifest=True,
+                    head_dtypes={n: array_dtype(a) for n, a in sorted(head_arrays.items())})
+        records["meta.json"] = atomic_write(os.path.join(tmp, "meta.json"),
+                                            json.dumps(meta, indent=1))
+        write_manifest(tmp, {k: _record(v) for k, v in records.items()})
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        try:
+            atomic_write(os.path.join(self.root, "latest"), os.path.basename(final) + "\n")
+        except OSError:
+            shutil.rmtree(final, ignore_errors=True)  # as if the save never happened
+            raise
+        self._prune()
 
     def _prune(self):
         done = sorted(d for d in os.listdir(self.root) if _STEP_DIR.match(d))
@@ -143,32 +372,64 @@ class CheckpointManager:
 
     @staticmethod
     def load(path, rank, world_size):
-        """(meta, backbone state, trainer state, rng state or None when the world size changed)."""
+        """(meta, backbone state, trainer state, rng state or None when the world size changed).
+        A damaged file raises `CheckpointDamaged` naming it (whatever `Checkpoint.verify`)."""
         meta = read_meta(path)
-        backbone = paddle.load(os.path.join(path, "backbone.pdparams"))
-        trainer = paddle.load(os.path.join(path, "trainer.pdstates"))
+        backbone = load_paddle_file(os.path.join(path, "backbone.pdparams"))
+        trainer = load_paddle_file(os.path.join(path, "trainer.pdstates"))
         rng = None
         rng_file = os.path.join(path, f"rng_rank{rank}.pkl")
         if meta["world_size"] == world_size and os.path.isfile(rng_file):
-            with open(rng_file, "rb") as f:
-                rng = pickle.load(f)
+            try:
+                with open(rng_file, "rb") as f:
+                    rng = pickle.load(f)
+            except (pickle.UnpicklingError, EOFError, ValueError) as err:
+                raise CheckpointDamaged(rng_file, f"not a pickle ({err})") from None
         return meta, backbone, trainer, rng
 
 
-def save_best(output_dir, target, step, report, backbone_state):
-    """Keep `<output_dir>/best_<target>/` = the backbone at its best step and `best.json`."""
+def _fits(need, free):
+    """Whether `need` bytes may be written where `free` are free."""
+    return need <= free
+
+
+def _record(value):
+    return FileRecord(int(value[0]), str(value[1]))
+
+
+def _serialized(state):
+    """`paddle.save(state)` as bytes, so that its size is known before writing and its checksum
+    is computed as the bytes stream through the atomic writer."""
+    buf = io.BytesIO()
+    paddle.save(state, buf)
+    return buf.getvalue()
+
+
+def save_best(output_dir, target, step, report, backbone_state, group=None):
+    """Keep `<output_dir>/best_<target>/` = the backbone at its best step and `best.json`.
+    Called on every rank (rank 0 writes); a failure raises `CheckpointSaveError` on all."""
+    rank, _ = pd.group_rank_size(group)
     final = os.path.join(output_dir, f"best_{target}")
     tmp = final + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    paddle.save(backbone_state, os.path.join(tmp, "backbone.pdparams"))
-    summary = {"target": target, "step": int(step),
-               **{k: v for k, v in report.items() if k not in ("far", "tar")}}
-    write_bytes(os.path.join(tmp, "best.json"), json.dumps(summary, indent=1).encode())
-    old = final + ".old"
-    if os.path.exists(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    state = _Save(output_dir, f"best_{target} (step {step})",
+                  lambda: f"the previous best_{target} is kept", group)
+    with state.part():
+        if rank == 0:
+            data = _serialized(backbone_state)
+            state.need = len(data) + 4096
+            if state.need > free_bytes(output_dir):
+                raise OSError(28, "not enough free space (checked before writing)", final)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+            atomic_write(os.path.join(tmp, "backbone.pdparams"), data)
+            summary = {"target": target, "step": int(step),
+                       **{k: v for k, v in report.items() if k not in ("far", "tar")}}
+            atomic_write(os.path.join(tmp, "best.json"), json.dumps(summary, indent=1))
+            old = final + ".old"
+            if os.path.exists(final):
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+    state.agree(tmp)
     return final

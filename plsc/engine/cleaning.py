@@ -55,10 +55,11 @@ from .. import distributed as pd
 from ..config import ConfigError
 from ..data import irheader
 from ..data.facerec import read_property, write_face_rec
+from ..fileio import AtomicWriter, atomic_write
 from ..metrics import angle_histogram_image, save_angle_histogram_png
 from .builders import select_device
-from .checkpoint import find_checkpoint
-from .evaluator import gather_shares, rank_share
+from .checkpoint import agree_checkpoint
+from .evaluator import gather_shares, rank_share, share_batches
 from .head_store import copy_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32
 from .progress import progress as show_progress
 
@@ -90,21 +91,15 @@ def source_dataset(cfg):
     return plsc_data.ImageListDataset(root, **common), kind
 
 
-def _embed_share(model, ds, start, stop, batch_size, num_workers, progress):
-    """Embeddings (float32) and labels of samples [start, stop) of `ds`."""
+def _embed_share(model, ds, n, batch_size, num_workers, progress):
+    """Embeddings (float32) and labels of this rank's share of samples [0, n) of `ds`."""
+    start, stop, _ = rank_share(n)
     embeddings, labels = [], []
-    if stop > start:
-        loader = paddle.io.DataLoader(paddle.io.Subset(ds, list(range(start, stop))),
-                                      batch_size=batch_size, shuffle=False, drop_last=False,
-                                      num_workers=num_workers)
-        done = 0
-        with paddle.no_grad():
-            for images, batch_labels in loader:
-                x = paddle.to_tensor(images.numpy())  # on the current device
-                embeddings.append(model(x).astype("float32").numpy())
-                labels.append(batch_labels.numpy().reshape(-1).astype(np.int64))
-                done += len(labels[-1])
-                show_progress(done, stop - start, progress, "embedding ")
+    with paddle.no_grad():
+        for images, batch_labels in share_batches(ds, n, batch_size, num_workers):
+            embeddings.append(model(images).astype("float32").numpy())
+            labels.append(batch_labels.numpy().reshape(-1).astype(np.int64))
+            show_progress(sum(map(len, labels)), stop - start, progress, "embedding ")
     if not embeddings:
         return None, np.zeros([0], np.int64)
     return np.concatenate(embeddings), np.concatenate(labels)
@@ -207,13 +202,11 @@ def _write_lists(out_dir, ds, kind, labels, angles, kept):
         header = ""
     clean, dropped = os.path.join(out_dir, "train_clean.lst"), os.path.join(out_dir, "dropped.lst")
     for path, select, with_angle in ((clean, kept, False), (dropped, ~kept, True)):
-        tmp = path + ".part"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with AtomicWriter(path) as f:
             f.write(header)
             for i in np.flatnonzero(select):
                 extra = f" {angles[i]:.2f}" if with_angle else ""
                 f.write(f"{names[i]} {labels[i]}{extra}\n")
-        os.replace(tmp, path)
     return clean, dropped
 
 
@@ -302,7 +295,8 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     value = checkpoint or g["checkpoint"] or "latest"
     value = "latest" if value == "auto" else value
     try:
-        path = find_checkpoint(value, g["output_dir"])
+        path = agree_checkpoint(value, g["output_dir"], cfg["Checkpoint"]["verify"],
+                                warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr))
     except FileNotFoundError as err:
         raise FileNotFoundError(f"no checkpoint to clean with (checkpoint={value!r}): {err}") from None
     meta = read_meta(path)
@@ -327,9 +321,8 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     model = trained_backbone(run_cfg, backbone)
     ds, kind = source_dataset(cfg)
     n = len(ds)
-    start, stop, _ = rank_share(n)
-    emb, labels = _embed_share(model, ds, start, stop, cfg["Eval"]["batch_size"],
-                               cfg["Data"]["num_workers"], progress)
+    emb, labels = _embed_share(model, ds, n, cfg["Eval"]["batch_size"], cfg["Data"]["num_workers"],
+                               progress)
     cos = subcenter_cosines(path, meta, emb, labels) if emb is not None else np.zeros((0, k), np.float32)
     if world > 1:  # the [N, K] cosines and the labels, in data order, on every rank
         # labels travel exactly in float64 (< 2^53)
@@ -368,10 +361,7 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     outputs["checkpoint_k1"] = write_k1_checkpoint(path, os.path.join(out_dir, "checkpoint_k1"),
                                                    dominant, cfg, meta)
     summary["outputs"] = outputs
-    tmp = os.path.join(out_dir, "summary.json.part")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    atomic_write(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
     summary["arrays"] = {"labels": labels, "picks": picks, "dominant": dominant, "angles": angles,
                          "kept": kept, "cosines": cos}
     return summary

@@ -1,14 +1,17 @@
 """Verification during and after training: embeddings (+ flips) of each pack, split across ranks."""
+import contextlib
 import os
 
 import numpy as np
 import paddle
 
-from ..data import load_verification_arrays
+from ..data import DataError, DataLoader, load_verification_arrays
 from ..distributed import gather_concat, get_rank, get_world_size
 from ..metrics import verification_report
+from .preemption import PeerDataError, failed_rank
 
-__all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "rank_share", "gather_shares"]
+__all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "rank_share", "gather_shares",
+           "share_batches"]
 
 
 def rank_share(n):
@@ -17,6 +20,29 @@ def rank_share(n):
     rank, world = get_rank(), get_world_size()
     share = -(-n // world)
     return min(n, rank * share), min(n, (rank + 1) * share), share
+
+
+def share_batches(dataset, n, batch_size, num_workers=0):
+    """The batches of this rank's share (see `rank_share`) of samples [0, n) of `dataset`, in
+    order, loaded by `num_workers` processes. Every rank goes through the same number of rounds
+    and after each load learns whether any rank failed: a DataError on one rank stops all of
+    them there (`PeerDataError` on the others) instead of leaving them in the next collective."""
+    start, stop, share = rank_share(n)
+    loader = DataLoader.sequential(dataset, batch_size, start, stop, num_workers=num_workers)
+    rank = get_rank()
+    with contextlib.closing(iter(loader)) as batches:
+        for _ in range(-(-share // batch_size)):
+            batch, error = None, None
+            try:
+                batch = next(batches, None)
+            except DataError as err:
+                error = err
+            failed = failed_rank(error is not None)
+            if failed >= 0:
+                raise error if error is not None else PeerDataError(rank, failed, "while loading "
+                                                                    "its share of the images")
+            if batch is not None:
+                yield batch
 
 
 def gather_shares(local, n, chunk_rows=1 << 16):

@@ -1,18 +1,24 @@
 """Ship a trained backbone: a Paddle inference model and, with paddle2onnx installed, ONNX."""
 import os
+import shutil
+import tempfile
 
 import paddle
+
+from ..fileio import commit_file
+from .checkpoint import load_paddle_file
 
 __all__ = ["export_backbone", "load_backbone_weights"]
 
 
 def load_backbone_weights(backbone, path):
-    """Load backbone weights from a checkpoint folder or a .pdparams file."""
+    """Load backbone weights from a checkpoint folder or a .pdparams file (a damaged file
+    raises `CheckpointDamaged` naming it)."""
     file = os.path.join(path, "backbone.pdparams") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder "
                                 "or a .pdparams file)")
-    backbone.set_state_dict(paddle.load(file))
+    backbone.set_state_dict(load_paddle_file(file))
     return file
 
 
@@ -25,18 +31,28 @@ def export_backbone(backbone, image_size, out_dir, onnx=True, opset=11):
     backbone.eval()
     spec = [paddle.static.InputSpec([None, 3, h, w], "float32", name="images")]
     prefix = os.path.join(out_dir, "inference")
-    paddle.jit.save(paddle.jit.to_static(backbone, input_spec=spec, full_graph=True), prefix)
-    if was_training:
-        backbone.train()
-    paths = {"paddle": prefix}
-    if onnx:
-        try:
-            import paddle2onnx
-        except ImportError:
-            return paths
-        model_file = next(f for f in (prefix + ".json", prefix + ".pdmodel") if os.path.isfile(f))
-        onnx_path = os.path.join(out_dir, "model.onnx")
-        paddle2onnx.export(model_file, prefix + ".pdiparams", onnx_path, opset_version=opset,
-                           auto_upgrade_opset=True, verbose=False, enable_onnx_checker=True)
-        paths["onnx"] = onnx_path
+    # Paddle and paddle2onnx write by path: into a temporary folder beside the output, then
+    # each file is committed (fsync, rename) by plsc.fileio.
+    staging = tempfile.mkdtemp(prefix=".export.", suffix=".part", dir=out_dir)
+    try:
+        staged = os.path.join(staging, "inference")
+        paddle.jit.save(paddle.jit.to_static(backbone, input_spec=spec, full_graph=True), staged)
+        if was_training:
+            backbone.train()
+        paths = {"paddle": prefix}
+        if onnx:
+            try:
+                import paddle2onnx
+            except ImportError:
+                onnx = False
+        if onnx:
+            model = next(f for f in (staged + ".json", staged + ".pdmodel") if os.path.isfile(f))
+            paddle2onnx.export(model, staged + ".pdiparams", os.path.join(staging, "model.onnx"),
+                               opset_version=opset, auto_upgrade_opset=True, verbose=False,
+                               enable_onnx_checker=True)
+            paths["onnx"] = os.path.join(out_dir, "model.onnx")
+        for name in sorted(os.listdir(staging)):
+            commit_file(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return paths

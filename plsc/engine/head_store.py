@@ -10,8 +10,8 @@ without `head_dtypes` hold each array in its .npy's dtype.
 Everything here streams: a save writes a tensor a slab of rows at a time (`save_rows_npy`),
 a load fills a tensor in place a slab at a time from a checkpoint of any world size and
 dtype (`load_head_rows_into`), and re-sharding, export and import copy slab by slab, so no
-whole second copy of a head array exists. Files are written under a temporary name and
-renamed.
+whole second copy of a head array exists. Files go through `plsc.fileio`'s atomic writer;
+a damaged file (cut short, not a .npy, bad JSON) raises `CheckpointDamaged` naming it.
 """
 import json
 import os
@@ -21,31 +21,20 @@ import numpy as np
 import paddle
 
 from ..distributed import ClassPartition
+from ..fileio import AtomicWriter, atomic_write
 from ..numerics import STORAGE_DTYPES, cast_nearest
+from .manifest import CheckpointDamaged, npy_problem, read_json, write_manifest
 
-__all__ = ["atomic_write", "write_bytes", "read_meta", "array_dtype", "save_rows_npy",
-           "head_dtype", "load_head_rows", "load_head_rows_into", "reshard_checkpoint",
-           "export_classifier", "import_classifier", "copy_checkpoint", "rows_as_float32"]
-
-
-def atomic_write(path, write):
-    tmp = path + ".part"
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_bytes(path, data):
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-    atomic_write(path, write)
+__all__ = ["read_meta", "array_dtype", "save_rows_npy", "write_rows_npy", "head_dtype",
+           "load_head_rows", "load_head_rows_into", "reshard_checkpoint", "export_classifier",
+           "import_classifier", "copy_checkpoint", "rows_as_float32", "head_array_bytes",
+           "copy_file"]
 
 
 def _save_npy(path, array):
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-    atomic_write(path, write)
+    with AtomicWriter(path) as f:
+        np.save(f, array)
+    return f.record
 
 
 _SLAB_BYTES = 32 << 20  # rows a streamed save or load copies at a time
@@ -69,21 +58,25 @@ def _slab_rows(row_shape, itemsize=4):
 
 def _stream_npy(path, dtype, shape, slabs):
     """Write a `.npy` of `dtype` and `shape` from `slabs` (numpy row blocks in order),
-    atomically, one block at a time."""
+    atomically, one block at a time; its `FileRecord`."""
     dtype = np.dtype(dtype)
-
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.lib.format.write_array_header_1_0(
-                f, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                    "shape": tuple(shape)})
-            written = 0
-            for slab in slabs:
-                f.write(np.ascontiguousarray(slab, dtype=dtype).data)
-                written += slab.shape[0]
+    with AtomicWriter(path) as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                "shape": tuple(shape)})
+        written = 0
+        for slab in slabs:
+            f.write(np.ascontiguousarray(slab, dtype=dtype).data)
+            written += slab.shape[0]
         if written != shape[0]:
             raise ValueError(f"{path}: wrote {written} rows, expected {shape[0]}")
-    atomic_write(path, write)
+    return f.record
+
+
+def head_array_bytes(array):
+    """Bytes the `.npy` of head array `array` (Paddle tensor or numpy) takes, header aside."""
+    return int(np.prod(array.shape, dtype=np.int64)) * int(
+        array.dtype.itemsize if isinstance(array, np.ndarray) else array.element_size())
 
 
 def save_rows_npy(path, rows):
@@ -92,9 +85,13 @@ def save_rows_npy(path, rows):
 
     Paddle float32/float16 become the same numpy dtype; bfloat16 is stored as its bits, a
     uint16 .npy (`head_dtypes` in meta.json tells them apart)."""
+    return write_rows_npy(path, rows)[0]
+
+
+def write_rows_npy(path, rows):
+    """`save_rows_npy` returning (dtype name, the file's `FileRecord`)."""
     if isinstance(rows, np.ndarray):
-        _save_npy(path, rows)
-        return rows.dtype.name
+        return rows.dtype.name, _save_npy(path, rows)
     name = array_dtype(rows)
     if name not in _NPY_DTYPES:
         raise TypeError(f"cannot save {path}: head arrays of dtype {rows.dtype} are not supported "
@@ -107,10 +104,9 @@ def save_rows_npy(path, rows):
     # has no float16/int16 index_select on CPU); the bytes are the same. bfloat16's
     # .numpy() is its bits as uint16.
     src = rows.view("bfloat16") if rows.dtype == paddle.float16 else rows
-    _stream_npy(path, dtype, shape, (
+    return name, _stream_npy(path, dtype, shape, (
         paddle.index_select(src, paddle.arange(lo, min(lo + step, shape[0]))).numpy().view(dtype)
         for lo in range(0, shape[0], step)))
-    return name
 
 
 def _bfloat16_to_float32(bits):
@@ -154,11 +150,22 @@ def _to_tensor(rows, stored, dtype):
 
 
 def read_meta(path):
+    """The checkpoint's meta.json; `CheckpointDamaged` when it does not parse."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint: {meta_path} is missing")
-    with open(meta_path, encoding="utf-8") as f:
-        return json.load(f)
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise CheckpointDamaged(meta_path, f"expected a JSON object, found {type(meta).__name__}")
+    return meta
+
+
+def _map_npy(file):
+    """`np.load(file, mmap_mode="r")`; `CheckpointDamaged` for a cut or foreign file."""
+    try:
+        return np.load(file, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as err:
+        raise CheckpointDamaged(file, npy_problem(file) or str(err)) from None
 
 
 def head_dtype(path, name, meta=None):
@@ -170,7 +177,7 @@ def head_dtype(path, name, meta=None):
                        f"{meta['head_arrays']}")
     if name in meta.get("head_dtypes", {}):
         return meta["head_dtypes"][name]
-    return np.load(_head_file(path, 0, name), mmap_mode="r").dtype.name
+    return _map_npy(_head_file(path, 0, name)).dtype.name
 
 
 def _head_file(path, rank, name):
@@ -182,7 +189,7 @@ def _head_file(path, rank, name):
 
 def _open_rows(file, dtype, count, row_shape=None):
     """Memory-mapped `file`, checked: `count` rows (of `row_shape` if given) stored as `dtype`."""
-    rows = np.load(file, mmap_mode="r")
+    rows = _map_npy(file)
     expect = np.dtype(_NPY_DTYPES.get(dtype, dtype))
     ok = (rows.ndim >= 1 and rows.shape[0] == count and rows.dtype == expect
           and (row_shape is None or tuple(rows.shape[1:]) == tuple(row_shape)))
@@ -216,7 +223,7 @@ def _head_pieces(path, meta, name, class_start, count, row_shape=None):
 def _read_rows(file, lo, hi):
     """Rows [lo, hi) of the .npy `file`, through a mapping closed right away (the touched pages
     of a mapping kept open count in RSS: +0.75x the array when loading it, measured)."""
-    return np.array(np.load(file, mmap_mode="r")[lo:hi])
+    return np.array(_map_npy(file)[lo:hi])
 
 
 def load_head_rows(path, name, class_start, num_local, meta=None):
@@ -253,34 +260,48 @@ def load_head_rows_into(path, name, class_start, tensor, meta=None):
 
 
 def _write_rows(file, count, fetch):
-    """Write a `[count, ...]` .npy from `fetch(start, n)` (numpy rows), a slab at a time."""
+    """Write a `[count, ...]` .npy from `fetch(start, n)` (numpy rows), a slab at a time; its
+    `FileRecord`."""
     first = fetch(0, 1)
     step = _slab_rows(first.shape[1:], first.dtype.itemsize)
-    _stream_npy(file, first.dtype, (count,) + first.shape[1:],
-                (fetch(lo, min(step, count - lo)) for lo in range(0, count, step)))
+    return _stream_npy(file, first.dtype, (count,) + first.shape[1:],
+                       (fetch(lo, min(step, count - lo)) for lo in range(0, count, step)))
+
+
+def copy_file(src, dst):
+    """Copy file `src` to `dst` through the atomic writer; the copy's `FileRecord`."""
+    with open(src, "rb") as f, AtomicWriter(dst) as out:
+        shutil.copyfileobj(f, out, 8 << 20)
+    return out.record
 
 
 def copy_checkpoint(src, dst, meta, head_rows):
     """Write checkpoint `dst` from `src`: same backbone and trainer state, the head
     arrays given by `head_rows(name, start, count)` (as stored) for `meta`'s partition,
-    written a slab at a time. `meta["head_dtypes"]` is filled in for older checkpoints."""
+    written a slab at a time, and a manifest. `meta["head_dtypes"]` is filled in for older
+    checkpoints."""
     if os.path.exists(dst):
         raise FileExistsError(f"{dst} exists; choose a new output folder")
-    meta = dict(meta, head_dtypes={n: head_dtype(src, n, meta) for n in meta["head_arrays"]})
+    meta = dict(meta, head_dtypes={n: head_dtype(src, n, meta) for n in meta["head_arrays"]},
+                manifest=True)
     tmp = dst.rstrip("/") + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
+    records = {}
     for name in ("backbone.pdparams", "trainer.pdstates"):
-        shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+        records[name] = copy_file(os.path.join(src, name), os.path.join(tmp, name))
     part = ClassPartition(meta["num_classes"], meta["world_size"])
     for r in range(part.world_size):
         os.makedirs(os.path.join(tmp, f"head_rank{r}"))
         start = part.class_start(r)
         for name in meta["head_arrays"]:
-            _write_rows(os.path.join(tmp, f"head_rank{r}", f"{name}.npy"), part.num_local(r),
-                        lambda lo, n, name=name: head_rows(name, start + lo, n))
-    write_bytes(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+            records[f"head_rank{r}/{name}.npy"] = _write_rows(
+                os.path.join(tmp, f"head_rank{r}", f"{name}.npy"), part.num_local(r),
+                lambda lo, n, name=name: head_rows(name, start + lo, n))
+    records["meta.json"] = atomic_write(os.path.join(tmp, "meta.json"),
+                                        json.dumps(meta, indent=1))
+    write_manifest(tmp, records)
     os.replace(tmp, dst)
     return dst
 
@@ -341,7 +362,10 @@ def _open_import(src, meta, name, file):
     """The memory-mapped float array in `file` for head array `name` of checkpoint `src`."""
     if name not in meta["head_arrays"]:
         raise KeyError(f"checkpoint {src} has no head array {name!r}")
-    array = np.load(file, mmap_mode="r")
+    try:
+        array = np.load(file, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{file} is not a readable .npy array ({err})") from None
     expect = (meta["num_classes"],) + load_head_rows(src, name, 0, 1, meta).shape[1:]
     if array.dtype.kind != "f" or array.shape != expect:
         raise ValueError(f"{file} holds {array.dtype} of shape {array.shape}; expected a float "

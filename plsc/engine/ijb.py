@@ -3,8 +3,8 @@
 Images are read, aligned and embedded (plus their mirror images) a batch at a time,
 each rank doing a contiguous share; only the [num_images, d] features are kept
 and gathered. Rank 0 prints TAR@FAR and AUC and writes, under Global.output_dir,
-`<target>_result.json`, `<target>_scores.npy`, `<target>_roc.png` and (with
-Logging.visualdl) the ROC image and the figures to `vdl/`.
+`<target>_result.json`, `<target>_scores.npy`, `<target>_roc.png` with the target in
+lower case (`ijbc_result.json`, ...) and (with Logging.visualdl) the ROC image and the figures to `vdl/`.
 """
 import json
 import os
@@ -15,10 +15,10 @@ import paddle
 
 from .. import distributed as pd
 from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, read_ijb_meta
-from ..data._atomic import atomic_path
+from ..fileio import AtomicWriter
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from .builders import select_device
-from .evaluator import gather_shares, rank_share
+from .evaluator import gather_shares, rank_share, share_batches
 from .progress import progress as show_progress
 from .tasks import trained_backbone
 
@@ -45,19 +45,16 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
     model.eval()
     dim = _embedding_dim(model, image_size)
     local = np.zeros((stop - start, dim), np.float32)
-    dataset = IJBFaceDataset(meta, image_size, start, stop)
+    dataset = IJBFaceDataset(meta, image_size, 0, n)
     transform = FaceTransform(image_size, train=False, output="uint8")
     done = 0
-    if len(dataset):
-        loader = paddle.io.DataLoader(dataset, batch_size=int(batch_size), shuffle=False, drop_last=False,
-                                      num_workers=int(num_workers))
-        with paddle.no_grad():
-            for images, index in loader:
-                x = transform.normalize(images)
-                emb = model(x) + model(paddle.flip(x, [3]))
-                local[index.numpy().reshape(-1) - start] = emb.astype("float32").numpy()
-                done += int(index.shape[0])
-                show_progress(done, len(dataset), progress, f"{meta.target} rank {rank}: ")
+    with paddle.no_grad():
+        for images, index in share_batches(dataset, n, int(batch_size), int(num_workers)):
+            x = transform.normalize(images)
+            emb = model(x) + model(paddle.flip(x, [3]))
+            local[index.numpy().reshape(-1) - start] = emb.astype("float32").numpy()
+            done += int(index.shape[0])
+            show_progress(done, stop - start, progress, f"{meta.target} rank {rank}: ")
     if was_training:
         model.train()
     return gather_shares(local, n)
@@ -95,12 +92,12 @@ def format_ijb_table(result):
 
 
 def _write_json(path, obj):
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
+    with AtomicWriter(path) as f:
+        f.write(json.dumps(obj, indent=1))
 
 
 def _write_npy(path, arr):
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with AtomicWriter(path) as f:
         np.save(f, arr)
 
 

@@ -51,6 +51,14 @@ class TrainLogger:
                 sys.stdout.write("\r\033[K")
             self.log.info(msg)
 
+    def warning(self, msg):
+        """`msg` in the log (the rank that is enabled) or on stderr (every other rank)."""
+        if self.enabled:
+            self.info(msg)
+        else:
+            sys.stderr.write(f"plsc: {msg}\n")
+            sys.stderr.flush()
+
     def scalar(self, tag, value, step):
         if self.writer is not None:
             self.writer.add_scalar(tag=tag, value=float(value), step=int(step))

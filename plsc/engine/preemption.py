@@ -1,28 +1,33 @@
 """Stopping a run cleanly when the cluster asks (SIGTERM or SIGINT to any rank), and saying
 so clearly when a rank dies.
 
-A handler records the first signal; after every optimizer step the ranks all-reduce (MAX) a
-one-element flag, so all of them learn of a signal that reached only one and stop after the
-same step. The trainer then writes a checkpoint and raises `Preempted`; `tools/train.py` exits
-with `PREEMPTED_EXIT_CODE`. Further signals while the checkpoint is written are only counted:
-the save finishes, and a kill that does not wait for it leaves the previous checkpoint intact
-(checkpoints are written to a temporary folder and renamed).
+A handler records the first signal; before every optimizer step (its batches loaded) the ranks
+all-reduce (MAX) a two-element flag, so all of them learn of a signal that reached only one,
+and of a rank that could not load its batch, and stop at the same step. On a signal the trainer
+writes a checkpoint and raises `Preempted`; `tools/train.py` exits with `PREEMPTED_EXIT_CODE`.
+On a data error the failing rank raises its `DataError` and the others `PeerDataError` (exit
+status 65). A second signal ends the process at once; the checkpoint folder being written is
+temporary and the previous checkpoint stays intact.
 
 A rank that dies breaks the collectives of the others: gloo reports the reset connection at
 once, a hung rank only at the collective library's timeout. `peer_failure` recognises those
 errors so that the trainer can raise `RankLost`, which `tools/train.py` reports in one line and
 exits with `RANK_LOST_EXIT_CODE`.
 """
+import os
 import re
 import signal
+import sys
 import threading
+import time
 
 import paddle
 
 from .. import distributed as pd
+from ..data import DataError
 
-__all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
-           "peer_failure"]
+__all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "PeerDataError",
+           "StopSignals", "peer_failure", "failed_rank"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a re-queued job does
 RANK_LOST_EXIT_CODE = 69  # EX_UNAVAILABLE: a rank this one needs is gone
@@ -55,6 +60,26 @@ class RankLost(Exception):
                          f"({detail}); exiting. Last complete checkpoint: {checkpoint or 'none'}")
 
 
+class PeerDataError(DataError):
+    """Another rank could not load its data; that rank's own error names the sample."""
+
+    def __init__(self, rank, peer, when):
+        self.rank, self.peer = rank, peer
+        super().__init__(f"rank {rank}: rank {peer} stopped on a data error {when} (its log names "
+                         "the file or record); exiting")
+
+
+def failed_rank(failed, group=None):
+    """The highest rank of `group` whose `failed` is true, or -1: the same on every rank (one
+    all-reduce of one value). Ranks call it at the same points so that an error on one of them
+    stops all of them there instead of leaving the others waiting in a collective."""
+    rank, world = pd.group_rank_size(group)
+    if world == 1:
+        return rank if failed else -1
+    flag = paddle.to_tensor([float(rank + 1 if failed else 0)], dtype="float32")
+    return int(pd.all_reduce_(flag, "max", group).item()) - 1
+
+
 def peer_failure(err, rank, world_size):
     """(peer rank or None, one-line detail) when `err` is a collective's report that another
     rank is gone or silent, else None."""
@@ -72,41 +97,83 @@ def peer_failure(err, rank, world_size):
 
 
 class StopSignals:
-    """Within `with StopSignals() as stop:`, SIGTERM and SIGINT are recorded instead of ending
-    the process (only where handlers can be installed: the main thread). After the first,
-    SIGTERMs are counted; a second SIGINT (Ctrl-C again) raises KeyboardInterrupt."""
+    """Within `with StopSignals() as stop:`, the first SIGTERM or SIGINT is recorded instead of
+    ending the process (only where handlers can be installed: the main thread); `agree` tells
+    every rank. A second signal ends the process at once with status 128 + signal, whatever the
+    main thread is doing (even waiting inside a collective): a thread reads the signals from
+    Python's wake-up pipe. SIGTERMs within `BURST_SECONDS` of a first SIGTERM count as that one:
+    Paddle's launcher sends up to three, 0.2 s apart, when it is itself terminated."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    BURST_SECONDS = 1.0
 
     def __init__(self):
         self.signum = 0  # the first signal received, 0 for none
-        self.repeats = 0  # signals received after the first
+        self.repeats = 0  # SIGTERMs of the first one's burst
+        self._first_time = None
         self._previous = {}
+        self._pipe = None
+        self._previous_fd = -1
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._record)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._pipe = (read, write)
+            self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read,), daemon=True,
+                             name="plsc-stop-signals").start()
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._pipe[1])  # the watcher reads the end of the pipe and closes it
+            self._pipe = None
         return False
 
     def _record(self, signum, frame):
         if not self.signum:
             self.signum = int(signum)
-            return
-        self.repeats += 1
-        if signum == signal.SIGINT:  # Ctrl-C twice: the user means it (a save stays atomic)
-            raise KeyboardInterrupt
 
-    def agreed(self, group=None):
-        """The signal any rank of `group` received so far (0: none), the same on every rank.
-        One all-reduce of one value and one host read."""
-        flag = paddle.to_tensor([float(self.signum)], dtype="float32")
-        if pd.group_rank_size(group)[1] > 1:
+    def _watch(self, fd):
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(64)
+                if not data:
+                    return
+                for signum in data:
+                    if signum in self.SIGNALS:
+                        self._count(signum)
+
+    def _count(self, signum):
+        now = time.monotonic()
+        if self._first_time is None:
+            self._first_time, self._first_signum = now, signum
+            return
+        if (signum == signal.SIGTERM == self._first_signum
+                and now - self._first_time < self.BURST_SECONDS):
+            self.repeats += 1
+            return
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"plsc: second stop signal ({name}): ending at once (a checkpoint being "
+                         "written is left unfinished and removed at the next start)\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    def agree(self, data_failed=False, group=None):
+        """(the signal any rank of `group` received so far or 0, the highest rank whose data
+        failed to load or -1), the same on every rank: one all-reduce of two values, one host
+        read."""
+        rank, world = pd.group_rank_size(group)
+        flag = paddle.to_tensor([float(self.signum), float(rank + 1 if data_failed else 0)],
+                                dtype="float32")
+        if world > 1:
             pd.all_reduce_(flag, "max", group)
-        return int(flag.item())
+        signum, failed = flag.numpy().tolist()
+        return int(signum), int(failed) - 1

@@ -3,7 +3,6 @@ import os
 import sys
 
 import numpy as np
-import paddle
 
 from .. import data as plsc_data
 from .. import distributed as pd
@@ -24,7 +23,11 @@ def trained_backbone(cfg, backbone=None):
     select_device(cfg["Global"]["device"])
     g = cfg["Global"]
     backbone = backbone if backbone is not None else build_backbone(cfg)
-    path = find_checkpoint(g["checkpoint"], g["output_dir"]) if g["checkpoint"] else None
+    path = None
+    if g["checkpoint"]:  # only the backbone is read: only it is verified
+        path = find_checkpoint(g["checkpoint"], g["output_dir"], cfg["Checkpoint"]["verify"],
+                               warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr),
+                               only=("backbone.pdparams",))
     if path is not None:
         load_backbone_weights(backbone, path)
     elif g["pretrained"]:
@@ -101,8 +104,7 @@ def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, pro
         raise FileNotFoundError(f"{source} is neither a RecordIO folder, an image folder nor a list file")
     batch_size = batch_size or cfg["Eval"]["batch_size"]
     progress = sys.stderr.isatty() if progress is None else progress
-    loader = paddle.io.DataLoader(ds, batch_size=batch_size, shuffle=False, drop_last=False,
-                                  num_workers=cfg["Data"]["num_workers"])
+    loader = plsc_data.DataLoader.sequential(ds, batch_size, num_workers=cfg["Data"]["num_workers"])
     embeddings, labels, done = [], [], 0
     for images, batch_labels in loader:
         embeddings.append(embed(model, images.numpy(), batch_size, flip))

@@ -8,17 +8,18 @@ import paddle
 
 from .. import distributed as pd
 from ..config import ConfigError, dump_config
-from ..data import DistributedBatchSampler
+from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
 from .amp import LossScaler, grads_finite
 from .builders import (build_backbone, build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset, select_device)
-from .checkpoint import (CheckpointManager, save_best, find_checkpoint, load_head_rows_into,
-                         local_optimizer_state, portable_optimizer_state, restore_rng)
+from .checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
+                         load_head_rows_into, local_optimizer_state, portable_optimizer_state,
+                         remove_leftovers, restore_rng, save_best)
 from .evaluator import VerificationEvaluator
 from .logger import TrainLogger
-from .preemption import Preempted, RankLost, StopSignals, peer_failure
+from .preemption import PeerDataError, Preempted, RankLost, StopSignals, peer_failure
 
 __all__ = ["Trainer"]
 
@@ -81,6 +82,10 @@ class Trainer:
         np.random.seed(g["seed"])
         self.accumulate = o["accumulate_steps"]
         self.dataset = build_train_dataset(cfg)
+        dropped = list(getattr(self.dataset, "skipped", []))  # entries left out while indexing
+        if len(dropped) > d["skip_bad"]:
+            raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
+                            f"{d['skip_bad']}")
         self.sampler = DistributedBatchSampler(self.dataset, d["batch_size"], self.rank, self.world,
                                                shuffle=True, seed=g["seed"], drop_last=True)
         self.steps_per_epoch = len(self.sampler) // self.accumulate
@@ -118,12 +123,20 @@ class Trainer:
                                enabled=self.rank == 0, visualdl=lg["visualdl"],
                                progress_bar=lg["progress_bar"])
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.skipped_in_epoch = self.skipped_total = 0  # bad samples replaced on this rank
+        self._pending_skips = 0  # ... in batches loaded for a step not taken yet
         self.history = []  # (step, loss) of every optimizer step of this process
         self.eval_history = []
         self.best = {}  # target -> best accuracy so far
         self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
+        if self.rank == 0:  # what a crashed save left behind
+            removed = remove_leftovers(self.output_dir)
+            if removed:
+                self.log.info(f"removed {len(removed)} leftover(s) of an interrupted save under "
+                              f"{self.output_dir}: {', '.join(removed)}")
         if g["checkpoint"]:
-            path = find_checkpoint(g["checkpoint"], self.output_dir)
+            path = agree_checkpoint(g["checkpoint"], self.output_dir,
+                                    cfg["Checkpoint"]["verify"], warn=self.log.warning)
             if path is None:  # Global.checkpoint=auto and nothing to resume
                 self.log.info(f"Global.checkpoint=auto: no checkpoint under "
                               f"{os.path.join(self.output_dir, 'checkpoints')}; starting fresh")
@@ -214,8 +227,36 @@ class Trainer:
         self.sampler.set_epoch(self.epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        return paddle.io.DataLoader(self.dataset, batch_sampler=_FromBatch(self.sampler, self.batch_in_epoch),
-                                    num_workers=self.cfg["Data"]["num_workers"], use_shared_memory=False)
+        return DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
+                          num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped)
+
+    def _skipped(self, messages):
+        """The loader reports samples the dataset replaced: log each, count them against
+        Data.skip_bad for this epoch, stop (DataError) beyond it. They count once the step
+        that uses them is taken (`_pending_skips` until then), so a run stopped before that
+        step and resumed counts them once."""
+        limit = self.cfg["Data"]["skip_bad"]
+        for msg in messages:
+            self._pending_skips += 1
+            self.log.warning(f"rank {self.rank}: skipped bad sample "
+                             f"{self.skipped_in_epoch + self._pending_skips} of at most {limit} in "
+                             f"epoch {self.epoch}: {msg}")
+        if self.skipped_in_epoch + self._pending_skips > limit:
+            raise DataError(f"{messages[-1]}; rank {self.rank} met more than Data.skip_bad={limit} "
+                            f"bad samples in epoch {self.epoch}: fix or remove them")
+
+    def _fetch(self, batches):
+        """(micro-batches of the next optimizer step or None at the end of the epoch, None) or
+        (None, the DataError that stopped loading them)."""
+        micro = []
+        try:
+            while len(micro) < self.accumulate:
+                micro.append(next(batches))
+        except StopIteration:
+            return None, None  # a last incomplete group of micro-batches is dropped
+        except DataError as err:
+            return None, err
+        return micro, None
 
     def train(self):
         """Train to `total_steps`, evaluating and checkpointing on the way; returns the history."""
@@ -231,30 +272,50 @@ class Trainer:
             self.evaluate()
         with StopSignals() as stop, self._rank_failures():
             while self.step < self.total_steps:
-                micro = []
-                for images, labels in self._loader():
-                    self.batch_in_epoch += 1
-                    micro.append((images, labels))
-                    if len(micro) < self.accumulate:
-                        continue
-                    loss = self.train_step(micro)
-                    micro = []
-                    self.history.append((self.step, loss))
-                    self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
-                    if self.log.writer is not None and self.step % self.log.interval == 0:
-                        for key, value in self._margin_state().items():  # AdaFace's statistics
-                            self.log.scalar(f"train/margin_{key}", value, self.step)
-                    self._after_step()
-                    signum = stop.agreed()  # the same on every rank: all stop after this step
-                    if signum:
-                        self._stop(signum)
-                    if self.step >= self.total_steps:
-                        break
-                else:
-                    self.epoch += 1
-                    self.batch_in_epoch = 0
+                self._train_epoch(stop)
         self.log.close()
         return self.history
+
+    def _train_epoch(self, stop):
+        """Steps to the end of the epoch or of training."""
+        with contextlib.closing(iter(self._loader())) as batches:  # its workers end with it
+            while self.step < self.total_steps:
+                micro, error = self._fetch(batches)
+                # Before each step every rank learns of a signal or a data error anywhere.
+                signum, failed = stop.agree(data_failed=error is not None)
+                if failed >= 0:
+                    self._data_stop(error, failed)
+                if signum:
+                    self._stop(signum)
+                if micro is None:
+                    self.epoch += 1
+                    self.batch_in_epoch = self.skipped_in_epoch = self._pending_skips = 0
+                    return
+                self.batch_in_epoch += len(micro)  # a checkpoint of this step resumes after them
+                self.skipped_in_epoch += self._pending_skips
+                self.skipped_total += self._pending_skips
+                self._pending_skips = 0
+                loss = self.train_step(micro)
+                self.history.append((self.step, loss))
+                self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
+                if self.step % self.log.interval == 0:
+                    self._log_step_state()
+                self._after_step()
+
+    def _log_step_state(self):
+        """VisualDL: AdaFace's statistics, and the bad samples skipped so far on all ranks."""
+        if self.cfg["Data"]["skip_bad"]:
+            count = paddle.to_tensor([float(self.skipped_total)], dtype="float32")
+            total = pd.all_reduce_(count, "sum") if self.world > 1 else count
+            self.log.scalar("data/skipped", total.item(), self.step)
+        if self.log.writer is not None:
+            for key, value in self._margin_state().items():
+                self.log.scalar(f"train/margin_{key}", value, self.step)
+
+    def _data_stop(self, error, failed):
+        """Some rank could not load its batch: every rank stops at this step (65)."""
+        self.log.close()  # the tool prints the one line (the error names the sample)
+        raise error if error is not None else PeerDataError(self.rank, failed, f"after step {self.step}")
 
     @contextlib.contextmanager
     def _rank_failures(self):
@@ -287,13 +348,14 @@ class Trainer:
 
     def evaluate(self):
         """Verify every target; keep the backbone of each target's best step so far."""
+        pd.sync_buffers(self.backbone)  # rank 0's BatchNorm statistics on every rank: see its docstring
         reports = self.evaluator(self.backbone, with_roc=True)  # the ROC is logged as an image
         for target, report in reports.items():
             self.log.evaluation(self.step, target, report)
             if self.step > 0 and report["accuracy"] > self.best.get(target, -1.0):
                 self.best[target] = report["accuracy"]
-                if self.rank == 0:
-                    save_best(self.output_dir, target, self.step, report, self.backbone.state_dict())
+                self._checked_save(save_best, self.output_dir, target, self.step, report,
+                                   self.backbone.state_dict())
         self.eval_history.append((self.step, reports))
         return reports
 
@@ -321,6 +383,7 @@ class Trainer:
         return {key: value.numpy().tolist() for key, value in margin.state_dict().items()}
 
     def save(self):
+        pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
         arrays = self._head_arrays()
         meta = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
@@ -335,10 +398,21 @@ class Trainer:
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
                          "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
-        self._saved_path = self.ckpt.save(self.step, meta, self.backbone.state_dict(),
-                                          trainer_state, arrays)
+        self._saved_path = self._checked_save(
+            self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
+            {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
         self._saved_step = self.step
         return self._saved_path
+
+    def _checked_save(self, save, *args):
+        """`save(*args)` on every rank; a failure is logged and raised (`CheckpointSaveError`:
+        tools/train.py prints it and exits with status 74)."""
+        try:
+            return save(*args)
+        except CheckpointSaveError as err:
+            self.log.warning(str(err))
+            self.log.close()
+            raise
 
     def resume(self, path):
         meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
@@ -361,8 +435,9 @@ class Trainer:
                 state[key].set_value(paddle.to_tensor(value, dtype="float32"))
         self.step, self.epoch = meta["step"], meta["epoch"]
         self.batch_in_epoch = meta["batch_in_epoch"]
-        if rng is not None:
+        if rng is not None:  # this rank's RNG and skip counts (not kept across world sizes)
             restore_rng(rng)
+            self.skipped_in_epoch, self.skipped_total = rng.get("data_skipped", (0, 0))
         self.log.info(f"resumed from {path} at step {self.step} (written by {meta['world_size']} "
                       f"rank(s), now {self.world})")
 

@@ -1,0 +1,187 @@
+"""The one way plsc writes a file: under a temporary name beside it, fsync'd, then renamed
+into place, with its size and checksum computed while the bytes stream through.
+
+A reader therefore sees the old file or the whole new one, never a part, and a crash leaves
+at most a `<name>.<pid>.part` file (`is_temporary`) that the next run removes.
+
+The checksum is CRC-32 (`zlib.crc32`): it streams at several GB/s, far faster than the disk,
+and catches the damage checkpoints meet (cut files, flipped bits, zeroed pages). It is no
+defence against deliberate tampering; nothing here is.
+"""
+import contextlib
+import os
+import shutil
+import zlib
+from typing import NamedTuple
+
+__all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file",
+           "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "TEMP_SUFFIX"]
+
+TEMP_SUFFIX = ".part"
+_CHUNK = 8 << 20  # bytes read at a time when checksumming a file
+
+
+class FileRecord(NamedTuple):
+    """What a manifest keeps of a file: its size in bytes and CRC-32 (8 hex digits)."""
+    size: int
+    crc32: str
+
+
+def is_temporary(name):
+    """Whether `name` is a temporary file of this module (a leftover when no writer runs)."""
+    return name.endswith(TEMP_SUFFIX)
+
+
+def _temp_name(path):
+    return f"{path}.{os.getpid()}{TEMP_SUFFIX}"
+
+
+def fsync_dir(path):
+    """Make a rename in folder `path` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _named(err, path):
+    """Give `err` the file it concerns (a failed write names none)."""
+    if isinstance(err, OSError) and err.filename is None:
+        err.filename = path
+
+
+class AtomicWriter:
+    """A binary file-like object (`write`) for `path`: `commit()` fsyncs, renames it into place
+    and returns its `FileRecord`; `abort()` deletes it. As a context manager it commits when
+    the block succeeds and aborts when it raises. `str` written is encoded as UTF-8."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.tmp = _temp_name(self.path)
+        self.size, self._crc = 0, 0
+        try:
+            self._file = open(self.tmp, "wb")
+        except OSError as err:
+            err.filename = self.path  # not its temporary name
+            raise
+
+    def write(self, data):
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        view = memoryview(data).cast("B")
+        try:
+            self._file.write(view)
+        except OSError as err:
+            self.abort()
+            _named(err, self.path)
+            raise
+        self._crc = zlib.crc32(view, self._crc)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self):
+        self._file.flush()
+
+    @property
+    def record(self):
+        return FileRecord(self.size, f"{self._crc:08x}")
+
+    def commit(self):
+        """Flush, fsync, rename into place; the file's `FileRecord`."""
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as err:
+            self.abort()
+            _named(err, self.path)
+            raise
+        fsync_dir(os.path.dirname(self.path))
+        return self.record
+
+    def abort(self):
+        """Close and delete the temporary file."""
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+        return False
+
+
+def atomic_write(path, data):
+    """Write `data` (bytes or str) to `path` atomically; its `FileRecord`."""
+    with AtomicWriter(path) as f:
+        f.write(data)
+    return f.record
+
+
+def commit_file(tmp, path):
+    """Rename a file another library wrote at `tmp` to `path` the same way (fsync, rename),
+    checksummed by reading it back; its `FileRecord`. On failure `tmp` is deleted."""
+    try:
+        record = checksum_file(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        _named(err, path)
+        raise
+    fsync_dir(os.path.dirname(path))
+    return record
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """For writers that need a path (paddle.jit, cv2, ...): yield a temporary path, then
+    `commit_file` it to `path` when the block succeeds, or delete it when it raises."""
+    tmp = _temp_name(os.fspath(path))
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    commit_file(tmp, path)
+
+
+def checksum_file(path):
+    """The `FileRecord` of the file at `path`, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return FileRecord(size, f"{crc:08x}")
+
+
+def free_bytes(path):
+    """Free bytes for an unprivileged writer on the file system of `path` (or of its nearest
+    existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free

@@ -1,0 +1,51 @@
+"""tools/train.py with injected faults, for tests/test_checkpoint_faults.py.
+
+    python tests/fault_worker.py -c CONFIG [-o ...]
+
+Environment:
+    FAULT_ENOSPC=RANK:TEXT   on rank RANK, every write to a file whose path contains TEXT fails
+                             with ENOSPC (as a full disk does)
+    FAULT_NO_PRECHECK=1      skip the free-space check before a save (so that a small disk
+                             fails in the middle of writing instead)
+"""
+import errno
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+
+import plsc.engine.checkpoint as checkpoint  # noqa: E402
+import plsc.fileio as fileio  # noqa: E402
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, file):
+        self._f = file
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+if os.environ.get("FAULT_ENOSPC"):
+    rank, text = os.environ["FAULT_ENOSPC"].split(":", 1)
+    real_init = fileio.AtomicWriter.__init__
+
+    def init(self, path):
+        real_init(self, path)
+        if int(os.environ.get("PADDLE_TRAINER_ID", "0")) == int(rank) and text in self.path:
+            self._file = _FullDisk(self._file)
+
+    fileio.AtomicWriter.__init__ = init
+if os.environ.get("FAULT_NO_PRECHECK"):
+    checkpoint._fits = lambda need, free: True
+
+import train  # noqa: E402
+
+sys.exit(train.main(sys.argv[1:]))
