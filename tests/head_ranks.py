@@ -17,6 +17,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from oracles import margin_params, published_margin  # noqa: E402
+
 B, D = 5, 16  # per-rank batch and embedding width
 CLASS_COUNTS = (10, 23, 101)
 SAMPLED = (("arcface", 101, 0.5), ("softmax", 101, 0.5), ("cosface", 23, 0.3))
@@ -25,12 +27,12 @@ CHUNKED = (("arcface", 101, 1.0, 7), ("softmax", 23, 1.0, 3), ("combined", 23, 1
 
 
 def margins():
-    from plsc.loss import ArcFace, CombinedMargin, CosFace, Softmax, SphereFace
-    return {
-        "arcface": ArcFace(),
-        "arcface_st": ArcFace(straight_through=True),
-        "cosface": CosFace(),
-        "sphereface": SphereFace(),
+    from plsc.loss import CombinedMargin, Softmax
+    return {  # the named margins at their defaults, checked against the published parameters
+        "arcface": published_margin("ArcFace"),
+        "arcface_st": published_margin("ArcFace", straight_through=True),
+        "cosface": published_margin("CosFace"),
+        "sphereface": published_margin("SphereFace"),
         "combined": CombinedMargin(64.0, 1.2, 0.3, 0.1),
         "softmax": Softmax(),
     }
@@ -65,54 +67,64 @@ def gather_rows(t, pad_to=None):
     return np.concatenate([c[:m] for c, m in zip(chunks, counts)])
 
 
-def plsc_literal(x_local, labels, w_local, b_local, margin, num_classes):
-    """PLSC's steps, each a Paddle op with autograd: gather, shard_index, MAX/SUM,
-    the min trick on log p ⊙ onehot and a reduce-scatter of the loss. Run in
-    float64 so that it measures the head's fp32 error, not its own."""
+def plsc_literal(x, y, w, b, margin, num_classes, k):
+    """PLSC's steps for k ranks, simulated in this one process (no collective: each rank's
+    inputs are all here, from the shared test case), each step a float64 Paddle op with
+    autograd: rank r owns classes [r·shard, min((r+1)·shard, C)) with shard = ceil(C/k)
+    (paddle.shard_index's split, written here), the all-gather is a concatenation of the
+    ranks' batches, shard_index, the MAX and SUM all-reduces are a max and a sum over the
+    ranks' row values, the min trick on log p ⊙ onehot, and the reduce-scatter a sum over
+    ranks sliced by rank. Returns the global loss and each rank's gradients:
+    {"loss": float, "dx": [per rank], "dw": [...], "db": [...] or None}. Float64, so that it
+    measures the head's fp32 error, not its own."""
     import paddle
-    import paddle.distributed as dist
     import paddle.nn.functional as F
-    from paddle.autograd import PyLayer
-    from plsc.distributed import all_gather, gather_concat, reduce_scatter
 
-    class AllReduceSum(PyLayer):
-        @staticmethod
-        def forward(ctx, t):
-            t = t.clone()
-            dist.all_reduce(t)
-            return t
-
-        @staticmethod
-        def backward(ctx, g):
-            g = g.clone()
-            dist.all_reduce(g)
-            return g
-
-    rank, k = dist.get_rank(), dist.get_world_size()
-    n_local = w_local.shape[0]
-    x = all_gather(x_local)
-    y = gather_concat(labels)
-    shard_label = paddle.shard_index(y.unsqueeze(1), num_classes, k, rank, ignore_value=-1)
-    shard_label = paddle.where(shard_label < 0, paddle.full_like(shard_label, n_local), shard_label)
-    onehot = F.one_hot(shard_label.squeeze(1), n_local + 1)[:, :n_local].astype(x.dtype)
-    if margin.normalized:
-        cos = paddle.matmul(F.normalize(x, axis=1), F.normalize(w_local, axis=1), transpose_y=True)
-        cos = paddle.clip(cos, -1.0, 1.0)
-        s = margin.scale
-        target = s * (paddle.cos(margin.m1 * paddle.acos(cos) + margin.m2) - margin.m3)
-        if margin.straight_through:
-            target = s * cos + (target - s * cos).detach()
-        logits = onehot * target + (1.0 - onehot) * s * cos
-    else:
-        logits = paddle.matmul(x, w_local, transpose_y=True) + b_local
-    row_max = logits.max(axis=1, keepdim=True).detach()
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX)
-    shifted = logits - row_max
-    sum_exp = AllReduceSum.apply(paddle.exp(shifted).sum(axis=1, keepdim=True))
-    log_prob = shifted - paddle.log(sum_exp)
-    target_log_prob = (log_prob * onehot).min(axis=1)
-    local_loss = reduce_scatter(-target_log_prob)
-    return local_loss.sum() / (k * x_local.shape[0])
+    n = x.shape[0]
+    per = n // k
+    shard = -(-num_classes // k)
+    bounds = [(r * shard, min((r + 1) * shard, num_classes)) for r in range(k)]
+    f64 = lambda a: leaf(np.asarray(a, dtype="float64"))  # noqa: E731
+    xs = [f64(x[r * per:(r + 1) * per]) for r in range(k)]
+    ws = [f64(w[lo:hi]) for lo, hi in bounds]
+    bs = [f64(b[lo:hi]) for lo, hi in bounds] if b is not None else None
+    gx = paddle.concat(xs)  # the all-gather
+    gy = paddle.to_tensor(np.asarray(y, dtype="int64")).unsqueeze(1)
+    logits, onehots = [], []
+    for r, (lo, hi) in enumerate(bounds):
+        n_local = hi - lo
+        shard_label = paddle.shard_index(gy, num_classes, k, r, ignore_value=-1)
+        shard_label = paddle.where(shard_label < 0, paddle.full_like(shard_label, n_local),
+                                   shard_label)
+        onehot = F.one_hot(shard_label.squeeze(1), n_local + 1)[:, :n_local].astype(gx.dtype)
+        if margin.normalized:
+            cos = paddle.matmul(F.normalize(gx, axis=1), F.normalize(ws[r], axis=1),
+                                transpose_y=True)
+            cos = paddle.clip(cos, -1.0, 1.0)
+            s, m1, m2, m3, straight_through = margin_params(margin)
+            target = s * (paddle.cos(m1 * paddle.acos(cos) + m2) - m3)
+            if straight_through:
+                target = s * cos + (target - s * cos).detach()
+            logit = onehot * target + (1.0 - onehot) * s * cos
+        else:
+            logit = paddle.matmul(gx, ws[r], transpose_y=True) + bs[r]
+        logits.append(logit)
+        onehots.append(onehot)
+    # MAX all-reduce of the row maxima (no gradient, as in PLSC), SUM all-reduce of the sums.
+    row_max = paddle.stack([lg.max(axis=1, keepdim=True) for lg in logits]).max(axis=0).detach()
+    sum_exp = paddle.add_n([paddle.exp(lg - row_max).sum(axis=1, keepdim=True) for lg in logits])
+    losses = []
+    for r in range(k):
+        log_prob = logits[r] - row_max - paddle.log(sum_exp)
+        target_log_prob = (log_prob * onehots[r]).min(axis=1)  # log p[target] or 0
+        losses.append(-target_log_prob)
+    summed = paddle.add_n(losses)  # the reduce-scatter: a sum over ranks ...
+    local = [summed[r * per:(r + 1) * per].sum() / n for r in range(k)]  # ... sliced by rank
+    total = paddle.add_n(local)  # every rank's loss, each backpropagated: their sum
+    total.backward()
+    return {"loss": float(total), "dx": [t.grad.numpy() for t in xs],
+            "dw": [t.grad.numpy() for t in ws],
+            "db": [t.grad.numpy() for t in bs] if bs is not None else None}
 
 
 def leaf(a):
@@ -127,7 +139,7 @@ def check_against_oracles(margin, num_classes, ratio=1.0, chunk=0):
     ratio < 1) on rank 0 and, at ratio 1, vs the PLSC-literal steps on every rank."""
     import paddle
     from oracles import compare, make_case, rel_err
-    from plsc.distributed import all_reduce_, get_rank, get_world_size
+    from plsc.distributed import get_rank, get_world_size
     from plsc.nn import PartialFC
 
     rank, k = get_rank(), get_world_size()
@@ -156,19 +168,14 @@ def check_against_oracles(margin, num_classes, ratio=1.0, chunk=0):
 
     lit_worst = None
     if not sampled:  # Oracle 2 on every rank, compared rank by rank.
-        f64 = lambda a: leaf(np.asarray(a, dtype="float64"))  # noqa: E731
-        x2, w2 = f64(x[rank * B:(rank + 1) * B]), f64(w[lo:hi])
-        b2 = f64(b[lo:hi]) if b is not None else None
-        literal = plsc_literal(x2, y_local, w2, b2, margin, num_classes)
-        literal.backward()
-        literal_loss = float(all_reduce_(literal.detach().clone(), "sum"))
+        literal = plsc_literal(x, y, w, b, margin, num_classes, k)
         lit = {
-            "loss": rel_err([literal_loss], [float(loss)]),
-            "dx": rel_err(x_local.grad.numpy(), x2.grad.numpy()),
-            "dw": rel_err(head.weight.grad.numpy(), w2.grad.numpy()),
+            "loss": rel_err([float(loss)], [literal["loss"]]),
+            "dx": rel_err(x_local.grad.numpy(), literal["dx"][rank]),
+            "dw": rel_err(head.weight.grad.numpy(), literal["dw"][rank]),
         }
         if b is not None:
-            lit["db"] = rel_err(head.bias.grad.numpy(), b2.grad.numpy())
+            lit["db"] = rel_err(head.bias.grad.numpy(), literal["db"][rank])
         lit_worst = gather_rows(paddle.to_tensor([max(lit.values())], dtype="float64"))
 
     if rank != 0:
@@ -230,8 +237,11 @@ def check_bad_input():
 
 
 def check_collectives():
-    """all_gather / reduce_scatter forward and backward against their definitions."""
+    """all_gather / reduce_scatter forward and backward against their definitions, with inputs
+    that differ by rank and by row; every rank's verdict is collected (Paddle's own
+    `all_gather_object`, not the collectives under test) and reported as `rank{r}.{check}`."""
     import paddle
+    import paddle.distributed as dist
     from plsc.distributed import all_gather, get_rank, get_world_size, reduce_scatter
 
     rank, k = get_rank(), get_world_size()
@@ -243,17 +253,27 @@ def check_collectives():
     full = np.concatenate([rows(r) for r in range(k)])
     expect_grad = sum(np.arange(2 * k * 3, dtype="float32").reshape(2 * k, 3) * (r + 1)
                       for r in range(k))[2 * rank:2 * rank + 2]
-    z = leaf(np.full((2 * k, 3), rank + 1.0, dtype="float32"))
+    # Row i, column j of rank r's input: 1000 (r + 1) + 10 i + j (exact in float32), so each
+    # output row tells which rows of which ranks were summed into it.
+    zin = lambda r: (1000.0 * (r + 1) + 10.0 * np.arange(2 * k)[:, None]  # noqa: E731
+                     + np.arange(3)[None, :]).astype("float32")
+    z = leaf(zin(rank))
     rs = reduce_scatter(z)
-    (rs * (rank + 1)).sum().backward()
+    out_coef = np.arange(6, dtype="float32").reshape(2, 3) + 7.0 * (rank + 1)
+    (rs * paddle.to_tensor(out_coef)).sum().backward()
+    expect_rs = sum(zin(q) for q in range(k))[2 * rank:2 * rank + 2]
+    # d/dz_r of sum_q <rs_q, c_q>: every rank's output slice q comes from rows 2q, 2q+1 of z_r.
+    expect_zgrad = np.concatenate([np.arange(6, dtype="float32").reshape(2, 3) + 7.0 * (q + 1)
+                                   for q in range(k)])
     ok = {
         "all_gather_forward": bool(np.array_equal(g.numpy(), full)),
-        "all_gather_backward": bool(np.allclose(x.grad.numpy(), expect_grad)),
-        "reduce_scatter_forward": bool(np.allclose(rs.numpy(), k * (k + 1) / 2)),
-        "reduce_scatter_backward": bool(np.allclose(
-            z.grad.numpy(), np.repeat(np.arange(1, k + 1, dtype="float32"), 2)[:, None] * np.ones(3))),
+        "all_gather_backward": bool(np.allclose(x.grad.numpy(), expect_grad, rtol=0, atol=0)),
+        "reduce_scatter_forward": bool(np.array_equal(rs.numpy(), expect_rs)),
+        "reduce_scatter_backward": bool(np.array_equal(z.grad.numpy(), expect_zgrad)),
     }
-    return ok if rank == 0 else None
+    every = []
+    dist.all_gather_object(every, ok)
+    return {f"rank{r}.{key}": value for r, verdict in enumerate(every) for key, value in verdict.items()}
 
 
 # ---- 16-bit storage and the fused optimizer update

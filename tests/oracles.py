@@ -16,6 +16,48 @@ import paddle.nn.functional as F
 PADDLE_CE_CLAMP = 64.0
 
 
+# ---- The margins' parameters, as the oracle takes them
+#
+# The published parameters of the named margins at their defaults, written here (not read from
+# plsc): arcface_torch's CombinedMarginLoss is (s, m1, m2, m3) = (64, 1.0, 0.5, 0.0) for ArcFace
+# and (64, 1.0, 0.0, 0.4) for CosFace; SphereFace is insightface's combined-margin form with
+# m1 = 1.35 (the value plsc's docstring cites); AdaFace is Kim et al.'s s = 64, m = 0.4,
+# h = 0.333, t_alpha = 0.01.
+PUBLISHED = {
+    "ArcFace": {"s": 64.0, "m1": 1.0, "m2": 0.5, "m3": 0.0},
+    "CosFace": {"s": 64.0, "m1": 1.0, "m2": 0.0, "m3": 0.4},
+    "SphereFace": {"s": 64.0, "m1": 1.35, "m2": 0.0, "m3": 0.0},
+}
+ADAFACE_PUBLISHED = {"s": 64.0, "m": 0.4, "h": 0.333, "t_alpha": 0.01}
+# How each named margin's own argument `m` maps to (m1, m2, m3).
+_M_IS = {"ArcFace": "m2", "CosFace": "m3", "SphereFace": "m1"}
+
+
+def published_margin(name, **given):
+    """plsc's margin `name` built with only the arguments `given` (the rest its defaults),
+    carrying `oracle_params`: the published defaults updated by `given`, which is what the
+    oracles below compute with. A wrong default in plsc then disagrees with the oracle."""
+    import plsc.loss as loss
+    margin = getattr(loss, name)(**given)
+    params = dict(PUBLISHED[name], straight_through=bool(given.get("straight_through", False)))
+    if "s" in given:
+        params["s"] = float(given["s"])
+    if "m" in given:
+        params[_M_IS[name]] = float(given["m"])
+    margin.oracle_params = params
+    return margin
+
+
+def margin_params(margin):
+    """(s, m1, m2, m3, straight_through) the oracle uses for `margin`: the `oracle_params` a
+    test attached (`published_margin`), else the parameters the test passed explicitly when it
+    built the margin (read back from it; never rely on this for defaults)."""
+    p = getattr(margin, "oracle_params", None)
+    if p is not None:
+        return p["s"], p["m1"], p["m2"], p["m3"], p["straight_through"]
+    return margin.scale, margin.m1, margin.m2, margin.m3, margin.straight_through
+
+
 def _numpy_sample_loss(x, w, y, margin, b):
     """Per-sample loss in float64 numpy (used only to pick well-conditioned data)."""
     x, w = x.astype("float64"), w.astype("float64")
@@ -23,9 +65,10 @@ def _numpy_sample_loss(x, w, y, margin, b):
     if margin.normalized:
         cos = np.clip((x / np.linalg.norm(x, axis=1, keepdims=True))
                       @ (w / np.linalg.norm(w, axis=1, keepdims=True)).T, -1.0, 1.0)
-        logits = margin.scale * cos
+        sc, m1, m2, m3, _ = margin_params(margin)
+        logits = sc * cos
         theta = np.arccos(cos[rows, y])
-        logits[rows, y] = margin.scale * (np.cos(margin.m1 * theta + margin.m2) - margin.m3)
+        logits[rows, y] = sc * (np.cos(m1 * theta + m2) - m3)
     else:
         logits = x @ w.T + (0.0 if b is None else b)
     top = logits.max(axis=1)
@@ -62,11 +105,11 @@ def margin_logits(x, w, y, margin, b=None):
     if not margin.normalized:
         out = paddle.matmul(x, w, transpose_y=True)
         return out + b if b is not None else out
-    s, m1, m2, m3 = margin.scale, margin.m1, margin.m2, margin.m3
+    s, m1, m2, m3, straight_through = margin_params(margin)
     cos = paddle.matmul(F.normalize(x, axis=1), F.normalize(w, axis=1), transpose_y=True)
     cos = paddle.clip(cos, -1.0, 1.0)
     target = s * (paddle.cos(m1 * paddle.acos(cos) + m2) - m3)
-    if margin.straight_through:
+    if straight_through:
         # insightface: the margin is applied without gradient.
         target = s * cos + (target - s * cos).detach()
     onehot = F.one_hot(paddle.to_tensor(y), w.shape[0]).astype(cos.dtype)
@@ -191,11 +234,11 @@ def oracle_logits(xt, wt, y, margin, sub_centers=1, q=None):
         theta = paddle.clip(theta - mq, ADA_EPS, math.pi - ADA_EPS)
         target = s * (paddle.cos(theta) - (m + mq))
         return onehot * target.unsqueeze(1) + (1.0 - onehot) * s * c
-    s, m1, m2, m3 = margin.scale, margin.m1, margin.m2, margin.m3
+    s, m1, m2, m3, straight_through = margin_params(margin)
     c = paddle.clip(cos, -1.0, 1.0)
     ct = paddle.take_along_axis(c, col, 1).squeeze(1)  # margins on the targets only
     target = s * (paddle.cos(m1 * paddle.acos(ct) + m2) - m3)
-    if margin.straight_through:
+    if straight_through:
         target = s * ct + (target - s * ct).detach()
     return onehot * target.unsqueeze(1) + (1.0 - onehot) * s * c
 
@@ -286,9 +329,10 @@ def _numpy_subcenter_loss(x, w, y, margin, k):
     cos = (x / np.linalg.norm(x, axis=1, keepdims=True)) @ (w / np.linalg.norm(w, axis=1,
                                                                                 keepdims=True)).T
     cos = np.clip(cos.reshape(len(y), -1, k).max(axis=2), -1.0, 1.0)
-    logits = margin.scale * cos
+    sc, m1, m2, m3, _ = margin_params(margin)
+    logits = sc * cos
     theta = np.arccos(cos[rows, y])
-    logits[rows, y] = margin.scale * (np.cos(margin.m1 * theta + margin.m2) - margin.m3)
+    logits[rows, y] = sc * (np.cos(m1 * theta + m2) - m3)
     top = logits.max(axis=1)
     return top + np.log(np.exp(logits - top[:, None]).sum(axis=1)) - logits[rows, y]
 

@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import config, make_data
+from engine_common import GRAD_CLIP, config, make_data
 from plsc.config import ConfigError
 from plsc.engine import Trainer, find_checkpoint, read_meta
 from plsc.engine.amp import LossScaler
@@ -190,15 +190,24 @@ def test_loss_scale_growth_does_not_change_the_step(tmp_path, data_root):
     rng = np.random.RandomState(5)
     images = paddle.to_tensor(rng.normal(size=(4, 3, 16, 16)).astype("float32"))
     labels = paddle.to_tensor(rng.randint(0, 24, 4).astype("int64"))
-    results = []
+    results, norms = [], []
     for scaler in (None, LossScaler(True, init_scale=1024.0, growth_interval=1)):
         trainer = Trainer(config(data_root, str(tmp_path / str(bool(scaler)))), backbone=make_backbone(0))
         trainer.head.weight.set_value(np.random.RandomState(6).normal(0, 0.1, (24, 32)).astype("float32"))
         if scaler is not None:
             trainer.scaler = scaler
         for _ in range(2):
-            trainer.train_step([(images, labels)])
+            if scaler is None:  # train_step of one micro-batch, with a look at the gradient norm
+                trainer.forward_backward(images, labels)
+                norms.append(np.sqrt(sum(float((p.grad.numpy().astype("float64") ** 2).sum())
+                                         for p in trainer.backbone.parameters() if p.grad is not None)))
+                trainer.optimizer_step()
+            else:
+                trainer.train_step([(images, labels)])
         results.append([p.numpy() for p in trainer.backbone.parameters()] + [trainer.head.weight.numpy()])
+    # The clip must not act, or it rescales every step to the same norm and hides a scale error
+    # (gradients left 1024-4096 times too large would then pass).
+    assert 0 < max(norms) < GRAD_CLIP / 2, norms
     assert trainer.scaler.scale == 4096.0
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -194,3 +194,17 @@ def test_demo_config_end_to_end_shortened(tmp_path_factory):
     ckpt = os.path.join(out, "run", "checkpoints", "step_00000012")
     assert sorted(d for d in os.listdir(ckpt) if d.startswith("head_rank")) == ["head_rank0", "head_rank1"]
     assert os.listdir(os.path.join(out, "run", "vdl"))
+    # One set of BatchNorm statistics: the evaluation logged during training (each rank embeds
+    # its share of the pack with its backbone) is what the saved weights give, here evaluated
+    # on one rank by the function tools/eval.py runs.
+    from plsc.config import load_config
+    from plsc.engine.tasks import evaluate
+    best = json.load(open(os.path.join(out, "run", "best_val", "best.json")))
+    cfg = load_config(os.path.join(out, "run", "config.yaml"),
+                      ["Global.checkpoint=null",
+                       f"Global.pretrained={os.path.join(out, 'run', 'best_val', 'backbone.pdparams')}",
+                       f"Global.output_dir={os.path.join(out, 'eval')}"])
+    again = evaluate(cfg, out=open(os.devnull, "w"))["val"]
+    assert abs(again["accuracy"] - best["accuracy"]) <= 1e-6, (again["accuracy"], best)
+    assert abs(again["embedding_norm"] - best["embedding_norm"]) <= 1e-6 * best["embedding_norm"], \
+        (again["embedding_norm"], best)

@@ -81,18 +81,18 @@ def test_resume_equals_uninterrupted(tmp_path, data_root, name):
 
 def test_adaface_statistics_follow_the_formula_and_stop_in_eval(tmp_path, data_root):
     """The trainer's AdaFace statistics after six steps equal the running formula applied to
-    the global batches' clipped norms (float64 here), and evaluation leaves them alone."""
+    the global batches' clipped norms (computed here in float64 from the backbone's output,
+    not from the norms the head computes), and evaluation leaves them alone."""
     cfg = config(data_root, str(tmp_path), Loss={"margin": "adaface", "adaface_t_alpha": 0.3})
     trainer = Trainer(cfg, backbone=make_backbone(0))
     norms = []
-    original = trainer.head.margin.for_batch
 
-    def spy(n):
-        if trainer.head.margin.training:
-            norms.append(np.clip(n.numpy().astype(np.float64), 0.001, 100.0))
-        return original(n)
+    def spy(layer, inputs, out):  # the embeddings the head receives (one process: all of them)
+        if layer.training:
+            e = out.numpy().astype(np.float64)
+            norms.append(np.clip(np.sqrt((e * e).sum(axis=1)), 0.001, 100.0))
 
-    trainer.head.margin.for_batch = spy
+    trainer.backbone.register_forward_post_hook(spy)
     trainer.train()
     mean, std = 20.0, 100.0
     for n in norms:

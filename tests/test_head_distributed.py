@@ -55,7 +55,10 @@ def test_head_matches_oracles(world_size, name, tmp_path_factory):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_collectives(world_size, tmp_path_factory):
     result = case(world_size, "collectives", tmp_path_factory)
-    assert all(result.values()), result
+    checks = ("all_gather_forward", "all_gather_backward", "reduce_scatter_forward",
+              "reduce_scatter_backward")
+    assert set(result) == {f"rank{r}.{c}" for r in range(world_size) for c in checks}, result
+    assert all(result.values()), sorted(key for key, ok in result.items() if not ok)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -5,6 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
+from oracles import PUBLISHED
 from plsc.loss import ArcFace, CombinedMargin, CosFace, Softmax, SphereFace, build_margin
 
 COS = np.linspace(-0.95, 0.95, 39)
@@ -34,6 +35,19 @@ def test_named_margins_are_their_combined_forms():
                                 (SphereFace(64, 1.35), (1.35, 0, 0))]:
         expect = 64 * (np.cos(m1 * np.arccos(COS) + m2) - m3)
         np.testing.assert_allclose(named.target_logit(t).numpy(), expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_defaults_are_the_published_parameters(name):
+    """ArcFace(), CosFace(), SphereFace() with no arguments: the target logit and the scale
+    of the other logits are those of the published (s, m1, m2, m3) (tests/oracles.py, written
+    from arcface_torch and insightface, not from plsc)."""
+    p = PUBLISHED[name]
+    margin = {"ArcFace": ArcFace, "CosFace": CosFace, "SphereFace": SphereFace}[name]()
+    t = paddle.to_tensor(COS, dtype="float64")
+    expect = p["s"] * (np.cos(p["m1"] * np.arccos(COS) + p["m2"]) - p["m3"])
+    np.testing.assert_allclose(margin.target_logit(t).numpy(), expect, rtol=1e-12, atol=1e-12)
+    assert margin.scale == p["s"] and margin.normalized and not margin.straight_through
 
 
 def test_straight_through_gradient_is_the_scale():

@@ -59,6 +59,35 @@ def test_report_on_separable_pairs_and_flip_sum():
     assert d[issame].max() < d[~issame].min()
 
 
+def test_flipped_embeddings_are_added_before_normalising():
+    """Each image's embedding is identity + a large nuisance, its flip's identity - nuisance:
+    only the flip-sum (insightface's protocol) separates the pairs. The report must match
+    the brute-force protocol on the flip-summed embeddings, and differ from the raw ones."""
+    rng = np.random.RandomState(7)
+    pairs, d = 60, 16
+    issame = rng.rand(pairs) < 0.5
+    ident = rng.normal(size=(pairs, d))
+    first = ident
+    second = np.where(issame[:, None], ident + 0.05 * rng.normal(size=(pairs, d)),
+                      rng.normal(size=(pairs, d)))
+    identity = np.stack([first, second], axis=1).reshape(2 * pairs, d)
+    nuisance = 6.0 * rng.normal(size=(2 * pairs, d))
+    emb, flipped = identity + nuisance, identity - nuisance
+
+    def distances(e):  # written here: squared distance of the L2-normalised pair members
+        u = e / np.sqrt((e * e).sum(axis=1, keepdims=True))
+        return ((u[0::2] - u[1::2]) ** 2).sum(axis=1)
+
+    thresholds = np.arange(0.0, 4.0, 0.01)
+    summed = brute_kfold(distances(emb + flipped), issame, 10, thresholds).mean()
+    raw = brute_kfold(distances(emb), issame, 10, thresholds).mean()
+    assert summed == 1.0 and raw < 0.85  # the data: the flip decides
+    rep = verification_report(emb, issame, flipped=flipped)
+    assert rep["accuracy"] == pytest.approx(summed, abs=1e-12)
+    assert verification_report(emb, issame)["accuracy"] == pytest.approx(raw, abs=1e-12)
+    assert rep["embedding_norm"] == pytest.approx(np.linalg.norm(emb, axis=1).mean(), rel=1e-12)
+
+
 def test_fold_errors():
     with pytest.raises(ValueError, match="5 pairs cannot be split into 10 folds"):
         kfold_accuracy(np.zeros(5), np.zeros(5, bool))
