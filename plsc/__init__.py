@@ -9,6 +9,10 @@ small collectives instead of gathering logits.
 
 __version__ = "0.1.0"
 
+from . import runtime as _runtime  # noqa: E402  (does not import Paddle)
+
+_runtime.blas_dispatch()  # before any matrix product: MKL's AVX2 kernels on AMD processors
+
 __all__ = ["Entry", "__version__"]
 
 

@@ -47,6 +47,9 @@ SCHEMA = {
                          "in output_dir) or 'auto' (the newest if any, else start fresh)",
                          nullable=True),
         "pretrained": _k(str, None, "backbone weights (.pdparams) to start from", nullable=True),
+        "cpu_threads": _k(int, None, "CPU threads per rank; null: the rank's usable cores divided "
+                          "by the ranks on its node (an OMP_NUM_THREADS above 1 is kept)",
+                          nullable=True),
     },
     "Model": {
         "name": _k(str, "IResNet50", "backbone name in plsc.models"),
@@ -221,6 +224,8 @@ def _check_ranges(cfg, source):
          f"Loss.chunk_size must be null, 0 or positive, got {loss['chunk_size']}")
     need(loss["logits_budget_mb"] > 0, f"Loss.logits_budget_mb must be > 0, got {loss['logits_budget_mb']}")
     need(data["batch_size"] >= 1, f"Data.batch_size must be >= 1, got {data['batch_size']}")
+    need(g["cpu_threads"] is None or g["cpu_threads"] >= 1,
+         f"Global.cpu_threads must be >= 1 or null, got {g['cpu_threads']}")
     for key in ("num_workers", "skip_bad"):
         need(data[key] >= 0, f"Data.{key} must be >= 0, got {data[key]}")
     need(len(data["image_size"]) == 2 and all(isinstance(v, int) and v > 0 for v in data["image_size"]),

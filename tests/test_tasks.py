@@ -1,4 +1,5 @@
 """Evaluation, export, extraction and the Entry API on a small trained run."""
+import itertools
 import json
 import os
 import subprocess
@@ -97,10 +98,12 @@ def test_extract_writes_embeddings_and_labels(run, tmp_path):
     np.testing.assert_allclose(emb[:4], first, rtol=1e-5, atol=1e-5)
 
 
-def pack_accuracy(model, path):
-    """10-fold verification accuracy of `model` on the pack at `path`, written independently:
-    pickle + cv2 decode, (x - 127.5) / 127.5, embedding of image + embedding of its flip,
-    L2 normalisation, squared distances, thresholds 0, 0.01, ..., 3.99 (insightface's)."""
+def pack_accuracies(model, path):
+    """The 10-fold verification accuracies `model` may have on the pack at `path`, written
+    independently: pickle + cv2 decode, (x - 127.5) / 127.5, embedding of image + embedding of
+    its flip, L2 normalisation, squared distances, thresholds 0, 0.01, ..., 3.99 (insightface's).
+    One accuracy, unless a distance lies within float32 noise (1e-5) of a threshold: then it
+    may fall on either side in the code under test, and each side's accuracy is returned."""
     import pickle
 
     import cv2
@@ -118,9 +121,15 @@ def pack_accuracy(model, path):
     e /= np.sqrt((e * e).sum(axis=1, keepdims=True))
     dist = ((e[0::2] - e[1::2]) ** 2).sum(axis=1)
     grid = np.arange(0.0, 4.0, 0.01)
-    # A distance within float32 noise of a threshold could flip: this data has none.
-    assert np.abs(dist[:, None] - grid[None, :]).min() > 1e-5
-    return float(brute_kfold(dist, np.asarray(issame, bool), 10, grid).mean())
+    gap = np.abs(dist[:, None] - grid[None, :])
+    near = np.flatnonzero(gap.min(axis=1) <= 1e-5)
+    assert len(near) <= 3, "too many distances on a threshold to enumerate"
+    found = set()
+    for sides in itertools.product((-1e-5, 1e-5), repeat=len(near)):
+        moved = dist.copy()
+        moved[near] = grid[gap[near].argmin(axis=1)] + np.asarray(sides)
+        found.add(float(brute_kfold(moved, np.asarray(issame, bool), 10, grid).mean()))
+    return sorted(found)
 
 
 def test_entry_api(run, tmp_path):
@@ -156,8 +165,8 @@ def test_entry_api(run, tmp_path):
     assert rel_err(emb, ref(paddle.to_tensor(x)).numpy()) < 1e-5  # float32, see the export test
     # ins.test() against the verification protocol done here: the pack unpickled and decoded
     # with cv2, the reference backbone on the images and their flips, brute-force 10 folds.
-    assert reports["val"]["accuracy"] == pytest.approx(pack_accuracy(
-        ref, os.path.join(run["data"], "val.bin")), abs=1e-12)
+    possible = pack_accuracies(ref, os.path.join(run["data"], "val.bin"))
+    assert any(reports["val"]["accuracy"] == pytest.approx(a, abs=1e-12) for a in possible), possible
 
 
 def test_entry_demo_script_runs(tmp_path):

@@ -41,7 +41,7 @@ def benchmark(cfg, root, repeats):
     from plsc.engine.checkpoint import find_checkpoint
     from plsc.engine.ijb import evaluate_ijb
 
-    select_device(cfg["Global"]["device"])
+    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     pd.init()
     rank, world = pd.get_rank(), pd.get_world_size()
     g = cfg["Global"]

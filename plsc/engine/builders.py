@@ -8,6 +8,7 @@ from ..config import ConfigError
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..optim import SparseAdamW, SparseMomentum
+from ..runtime import set_cpu_threads
 
 __all__ = ["select_device", "build_backbone", "build_margin_from_config", "build_train_dataset",
            "build_backbone_optimizer", "build_head_optimizer"]
@@ -16,8 +17,9 @@ DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_D
              "or try `configs/demo.yaml`, which generates synthetic identities")
 
 
-def select_device(name):
-    """'auto' picks the GPU when Paddle has one, else the CPU."""
+def select_device(name, cpu_threads=None):
+    """'auto' picks the GPU when Paddle has one, else the CPU. The threads of the CPU kernels
+    follow `plsc.runtime.cpu_threads` (`cpu_threads`: Global.cpu_threads)."""
     has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     if name == "gpu" and not has_gpu:
         raise ConfigError("Global.device is gpu but this Paddle build sees no GPU")
@@ -25,6 +27,7 @@ def select_device(name):
         paddle.set_device(f"gpu:{int(os.environ.get('FLAGS_selected_gpus', '0').split(',')[0])}")
     else:
         paddle.set_device("cpu")
+    set_cpu_threads(cpu_threads)
     return paddle.get_device()
 
 

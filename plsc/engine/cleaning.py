@@ -289,7 +289,7 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     if not 0.0 < threshold < 180.0:  # NaN too
         raise ConfigError(f"the threshold must be an angle in degrees in (0, 180), got {threshold:g}")
     g = cfg["Global"]
-    select_device(g["device"])
+    select_device(g["device"], g["cpu_threads"])
     pd.init()
     rank, world = pd.get_rank(), pd.get_world_size()
     value = checkpoint or g["checkpoint"] or "latest"

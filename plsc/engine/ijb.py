@@ -126,7 +126,7 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
     auc, the options, and the arrays scores, far, tar.
     """
     out = sys.stdout if out is None else out
-    select_device(cfg["Global"]["device"])
+    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     pd.init()
     meta = read_ijb_meta(root, target)
     rank0 = pd.get_rank() == 0

@@ -20,7 +20,7 @@ __all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract", 
 def trained_backbone(cfg, backbone=None):
     """The config's backbone with the weights of Global.checkpoint ('latest' or a folder)
     or else Global.pretrained (.pdparams), in eval mode."""
-    select_device(cfg["Global"]["device"])
+    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     g = cfg["Global"]
     backbone = backbone if backbone is not None else build_backbone(cfg)
     path = None
@@ -55,7 +55,7 @@ def format_table(reports):
 
 def evaluate(cfg, backbone=None, out=sys.stdout):
     """Verify every Eval target; rank 0 prints a table and writes roc.png to output_dir."""
-    select_device(cfg["Global"]["device"])
+    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     pd.init()
     e = cfg["Eval"]
     if not e["targets"]:

@@ -7,6 +7,7 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
+from .. import runtime
 from ..config import ConfigError, dump_config
 from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
@@ -71,7 +72,7 @@ class Trainer:
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
         g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
-        self.device = select_device(g["device"])
+        self.device = select_device(g["device"], g["cpu_threads"])
         pd.init()
         self.rank, self.world = pd.get_rank(), pd.get_world_size()
         self.output_dir = g["output_dir"]
@@ -266,6 +267,10 @@ class Trainer:
                       f"{self.head.param_dtype}), global batch {self.global_batch}, "
                       f"{self.total_steps} steps, head update "
                       f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
+        if not self.device.startswith("gpu"):
+            for note in (runtime.BLAS_NOTE, runtime.THREADS_NOTE):
+                if note:
+                    self.log.info(f"plsc: {note}")
         self.backbone.train()
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:

@@ -1,0 +1,49 @@
+"""CPU set-up: MKL's dispatch on AMD processors and the threads of each rank."""
+import os
+import subprocess
+import sys
+
+import paddle  # noqa: F401  -- imported, so that the late-dispatch warning is due
+import pytest
+
+from plsc import runtime
+
+AMD = ("AuthenticAMD", {"sse4_2", "avx", "avx2", "fma"})
+
+
+def test_dispatch_is_set_only_for_amd_with_avx2_and_not_against_the_user():
+    env = {}
+    with pytest.warns(UserWarning, match="after Paddle was imported"):
+        note = runtime.blas_dispatch(env, cpu=AMD)
+    assert env == {"MKL_DEBUG_CPU_TYPE": "5"} and "PLSC_MKL_DISPATCH=keep" in note
+    for env, cpu in [({}, ("GenuineIntel", {"avx2"})), ({}, ("AuthenticAMD", {"avx"})),
+                     ({"PLSC_MKL_DISPATCH": "keep"}, AMD), ({"MKL_DEBUG_CPU_TYPE": "2"}, AMD)]:
+        before = dict(env)
+        assert runtime.blas_dispatch(env, cpu=cpu) is None
+        assert env == before
+
+
+def test_import_plsc_sets_it_before_paddle_and_keep_turns_it_off():
+    code = "import sys, os, plsc; print(os.environ.get('MKL_DEBUG_CPU_TYPE'), 'paddle' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_DEBUG_CPU_TYPE", "PLSC_MKL_DISPATCH")}
+    vendor, flags = runtime._cpu_flags()
+    expect = "5" if vendor == "AuthenticAMD" and "avx2" in flags else "None"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert out.split() == [expect, "False"]  # set, and Paddle not imported by `import plsc`
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PLSC_MKL_DISPATCH="keep"),
+                         capture_output=True, text=True).stdout
+    assert out.split() == ["None", "False"]
+
+
+def test_threads_per_rank():
+    cores = len(os.sched_getaffinity(0))
+    quota = runtime._cgroup_cores()
+    usable = min(cores, quota) if quota else cores
+    assert runtime.usable_cores() == usable
+    assert runtime.cpu_threads(None, {}) == (usable, f"{usable} usable core(s) / 1 rank(s) on this node")
+    # Paddle writes OMP_NUM_THREADS=1 into every environment that imports it: 1 counts as unset
+    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "1"})[0] == usable
+    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "1", "PADDLE_LOCAL_SIZE": str(usable)})[0] == 1
+    assert runtime.cpu_threads(None, {"PADDLE_LOCAL_SIZE": str(4 * usable)})[0] == 1  # at least 1
+    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+    assert runtime.cpu_threads(5, {"OMP_NUM_THREADS": "3"}) == (5, "Global.cpu_threads")
