@@ -27,9 +27,9 @@ centre, `_to_centres` sends each class's gradient back to it. Margins with a `co
 (AdaFace) clamp the non-target logits (`_clamp_`); those outside the clamp are in the softmax
 but get no gradient (`_zero_clamped_`).
 
-The weight gradient goes where the caller wants it: a block at a time straight from the
-GEMM into the array the backward returns, or a slab of `_WGRAD_SLAB` rows at a time to a
-sink that writes it over the weight (Partial FC's scratch rows) or gives it to `row_update`,
+The weight gradient goes where the caller wants it, a slab of `_WGRAD_SLAB` rows at a time
+(the same GEMM shapes either way): straight from the GEMM into the array the backward
+returns, or to a sink that writes it over the weight (Partial FC's scratch rows) or gives it to `row_update`,
 which applies the optimizer to those rows at once, so that no weight-gradient array exists.
 """
 import paddle
@@ -222,10 +222,13 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
 
 def _weight_grad_rows(ctx, block, buf, w, inv_w, rhs):
     """The block's weight gradient: P = bufᵀ·rhs, and for normalised logits the
-    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|). Into `ctx.d_w` the
-    GEMM writes the whole block at once; for `ctx.sink` it goes a slab at a time."""
+    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|), a slab of
+    `_WGRAD_SLAB` rows at a time: into `ctx.d_w` the GEMM writes each slab in place, to
+    `ctx.sink` it hands each slab. Both use the same GEMM shapes, so the fused update sees the
+    separate update's gradient bit for bit whatever the BLAS kernel (MKL's AVX2 kernels round
+    a row differently for different row counts)."""
     width = buf.shape[1]
-    step = width if ctx.d_w is not None else _WGRAD_SLAB
+    step = _WGRAD_SLAB
     for lo in range(0, width, step):
         hi = min(lo + step, width)
         part = buf if (lo, hi) == (0, width) else buf[:, lo:hi]
