@@ -14,7 +14,7 @@ import shutil
 import zlib
 from typing import NamedTuple
 
-__all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file",
+__all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
            "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "TEMP_SUFFIX"]
 
 TEMP_SUFFIX = ".part"
@@ -129,6 +129,13 @@ def atomic_write(path, data):
     with AtomicWriter(path) as f:
         f.write(data)
     return f.record
+
+
+def copy_file(src, dst):
+    """Copy file `src` to `dst` through the atomic writer; the copy's `FileRecord`."""
+    with open(src, "rb") as f, AtomicWriter(dst) as out:
+        shutil.copyfileobj(f, out, _CHUNK)
+    return out.record
 
 
 def commit_file(tmp, path):

@@ -21,14 +21,13 @@ import numpy as np
 import paddle
 
 from ..distributed import ClassPartition
-from ..fileio import AtomicWriter, atomic_write
+from ..fileio import AtomicWriter, atomic_write, copy_file
 from ..numerics import STORAGE_DTYPES, cast_nearest
 from .manifest import CheckpointDamaged, npy_problem, read_json, write_manifest
 
 __all__ = ["read_meta", "array_dtype", "save_rows_npy", "write_rows_npy", "head_dtype",
            "load_head_rows", "load_head_rows_into", "reshard_checkpoint", "export_classifier",
-           "import_classifier", "copy_checkpoint", "rows_as_float32", "head_array_bytes",
-           "copy_file"]
+           "import_classifier", "copy_checkpoint", "rows_as_float32", "head_array_bytes"]
 
 
 def _save_npy(path, array):
@@ -266,13 +265,6 @@ def _write_rows(file, count, fetch):
     step = _slab_rows(first.shape[1:], first.dtype.itemsize)
     return _stream_npy(file, first.dtype, (count,) + first.shape[1:],
                        (fetch(lo, min(step, count - lo)) for lo in range(0, count, step)))
-
-
-def copy_file(src, dst):
-    """Copy file `src` to `dst` through the atomic writer; the copy's `FileRecord`."""
-    with open(src, "rb") as f, AtomicWriter(dst) as out:
-        shutil.copyfileobj(f, out, 8 << 20)
-    return out.record
 
 
 def copy_checkpoint(src, dst, meta, head_rows):
