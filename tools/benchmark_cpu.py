@@ -3,6 +3,7 @@ beside the threads and the BLAS dispatch in use; one JSON line.
 
     python tools/benchmark_cpu.py                       # plsc's set-up (import plsc first)
     PLSC_MKL_DISPATCH=keep python tools/benchmark_cpu.py   # MKL's own choice, to compare
+    PLSC_MALLOC=keep python tools/benchmark_cpu.py         # malloc unmapping freed tensors
     python tools/benchmark_cpu.py --threads 1 --backbone IResNet18 --batch 32
 
 The head's GEMMs are those of one dense step of N x d features against C class centres:
@@ -102,8 +103,10 @@ def main(argv=None):
     import paddle
     paddle.set_device("cpu")
     threads_line = runtime.set_cpu_threads(args.threads)
+    malloc_line = runtime.keep_freed_memory()
     result = {"cpu": runtime.cpu_description(), "usable_cores": runtime.usable_cores(),
-              "threads": threads_line, "MKL_DEBUG_CPU_TYPE": os.environ.get("MKL_DEBUG_CPU_TYPE"),
+              "threads": threads_line, "malloc": malloc_line,
+              "MKL_DEBUG_CPU_TYPE": os.environ.get("MKL_DEBUG_CPU_TYPE"),
               "paddle": paddle.__version__,
               "head_gemms": head_gemms(args.batch_head, args.dim, args.classes, args.repeats)}
     if args.backbone:

@@ -38,13 +38,15 @@ import statistics
 import sys
 import time
 
-import numpy as np
-import paddle
-from paddle.base import core
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import plsc  # noqa: E402,F401  -- before Paddle: MKL's dispatch on AMD processors
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from paddle.base import core  # noqa: E402
+
 import plsc.distributed as pd  # noqa: E402
+from plsc import runtime  # noqa: E402
 from plsc.loss import MARGINS  # noqa: E402
 from plsc.nn import PartialFC  # noqa: E402
 from plsc.nn.sampling import sample_centres  # noqa: E402
@@ -239,6 +241,7 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
     buffer_bytes = n * head.num_local * head.sub_centers * 4
     return {**extra,
         "bench": "head", "rank": rank, "world_size": world, "device": paddle.get_device(),
+        "cpu_threads": runtime.kernel_threads(),
         "margin": args.margin, "sub_centers": args.sub_centers, "num_classes": args.num_classes,
         "num_local": head.num_local,
         "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
@@ -363,6 +366,9 @@ def main(argv=None):
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--sample-ratio values must be in (0, 1], got {r}")
     pd.init()
+    if paddle.get_device() == "cpu":  # as a training run sets up the CPU (plsc.runtime)
+        runtime.keep_freed_memory()
+        runtime.set_cpu_threads()
     rank, world = pd.get_rank(), pd.get_world_size()
     paddle.seed(args.seed + rank)
     run = capacity if args.capacity else bench_ratio

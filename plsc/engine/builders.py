@@ -8,7 +8,7 @@ from ..config import ConfigError
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..optim import SparseAdamW, SparseMomentum
-from ..runtime import set_cpu_threads
+from ..runtime import keep_freed_memory, set_cpu_threads
 
 __all__ = ["select_device", "build_backbone", "build_margin_from_config", "build_train_dataset",
            "build_backbone_optimizer", "build_head_optimizer"]
@@ -19,7 +19,8 @@ DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_D
 
 def select_device(name, cpu_threads=None):
     """'auto' picks the GPU when Paddle has one, else the CPU. The threads of the CPU kernels
-    follow `plsc.runtime.cpu_threads` (`cpu_threads`: Global.cpu_threads)."""
+    follow `plsc.runtime.cpu_threads` (`cpu_threads`: Global.cpu_threads); on the CPU, malloc
+    keeps freed memory for reuse (`plsc.runtime.keep_freed_memory`)."""
     has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     if name == "gpu" and not has_gpu:
         raise ConfigError("Global.device is gpu but this Paddle build sees no GPU")
@@ -27,6 +28,7 @@ def select_device(name, cpu_threads=None):
         paddle.set_device(f"gpu:{int(os.environ.get('FLAGS_selected_gpus', '0').split(',')[0])}")
     else:
         paddle.set_device("cpu")
+        keep_freed_memory()
     set_cpu_threads(cpu_threads)
     return paddle.get_device()
 

@@ -268,7 +268,7 @@ class Trainer:
                       f"{self.total_steps} steps, head update "
                       f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
         if not self.device.startswith("gpu"):
-            for note in (runtime.BLAS_NOTE, runtime.THREADS_NOTE):
+            for note in (runtime.BLAS_NOTE, runtime.THREADS_NOTE, runtime.MALLOC_NOTE):
                 if note:
                     self.log.info(f"plsc: {note}")
         self.backbone.train()

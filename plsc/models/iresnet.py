@@ -4,6 +4,7 @@ from paddle import nn
 
 from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
                      normal_attr)
+from .prelu import PReLU
 
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100",
            "iresnet200", "iresnet_tiny", "IRESNET_DEPTHS"]
@@ -39,7 +40,7 @@ class IBasicBlock(nn.Layer):
         self.bn1 = _bn(in_channels)
         self.conv1 = _conv(in_channels, out_channels, 3)
         self.bn2 = _bn(out_channels)
-        self.prelu = nn.PReLU(out_channels)
+        self.prelu = PReLU(out_channels)
         self.conv2 = _conv(out_channels, out_channels, 3, stride)
         self.bn3 = _bn(out_channels)
         self.downsample = None
@@ -80,7 +81,7 @@ class IResNet(nn.Layer):
 
         self.conv1 = _conv(3, self.widths[0], 3)
         self.bn1 = _bn(self.widths[0])
-        self.prelu = nn.PReLU(self.widths[0])
+        self.prelu = PReLU(self.widths[0])
         in_channels = self.widths[0]
         stages = []
         for num_blocks, width in zip(self.layers_per_stage, self.widths):

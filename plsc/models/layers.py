@@ -4,6 +4,8 @@ import math
 import paddle
 from paddle import nn
 
+from .prelu import PReLU
+
 
 def as_hw(size):
     """`112` or `(112, 96)` -> `(112, 96)` as a tuple of two positive ints."""
@@ -73,7 +75,7 @@ class ConvBNPReLU(nn.Sequential):
                          bias_attr=False)
         layers = [conv, nn.BatchNorm2D(out_channels, epsilon=1e-5)]
         if activation:
-            layers.append(nn.PReLU(out_channels))
+            layers.append(PReLU(out_channels))
         super().__init__(*layers)
 
 

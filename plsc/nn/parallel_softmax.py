@@ -27,22 +27,29 @@ centre, `_to_centres` sends each class's gradient back to it. Margins with a `co
 (AdaFace) clamp the non-target logits (`_clamp_`); those outside the clamp are in the softmax
 but get no gradient (`_zero_clamped_`).
 
-The weight gradient goes where the caller wants it, a slab of `_WGRAD_SLAB` rows at a time
-(the same GEMM shapes either way): straight from the GEMM into the array the backward
-returns, or to a sink that writes it over the weight (Partial FC's scratch rows) or gives it to `row_update`,
-which applies the optimizer to those rows at once, so that no weight-gradient array exists.
+The weight gradient goes where the caller wants it, a block (for wide blocks a slab of
+`_WGRAD_SLAB` rows) at a time, the same GEMM shapes either way: straight from the GEMM into
+the array the backward returns, or to a sink that writes it over the weight (Partial FC's
+scratch rows) or gives it to `row_update`, which applies the optimizer to those rows at once,
+so that no weight-gradient array exists (at most a 64 MiB block of it).
+
+The element-wise passes over the logits (column scaling, row max, exp, row sums) and the row
+dot products go through `plsc.cpu_kernels` (numpy on the tensors' memory on the CPU, Paddle's
+ops elsewhere).
 """
 import paddle
 from paddle.autograd import PyLayer
 
+from ..cpu_kernels import exp_shifted_, remove_row_components_, row_dot, scale_columns_
+from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from ..numerics import UPCAST_SLAB_BYTES, sqrt_exact, to_float32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
-_SLAB_BYTES = 2 << 20  # temporaries of the in-place weight-gradient correction (cache-sized)
-_WGRAD_SLAB = 4096  # classes per weight-gradient GEMM (and per update of the fused path)
+_WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
+_WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
 
 
 def _rows_f32(t, start=0, stop=None):
@@ -61,20 +68,7 @@ def _inv_row_norms(weight):
 
 def _row_norm(x):
     """L2 norm of each row, floored at _NORM_EPS, without an `x`-sized temporary."""
-    return sqrt_exact(paddle.einsum("ij,ij->i", x, x)).clip(min=_NORM_EPS)
-
-
-def _row_dot(a, b):
-    return paddle.einsum("ij,ij->i", a, b)
-
-
-def _subtract_scaled_rows_(out, rows_of, coef):
-    """out -= coef[:, None] * rows_of, in place, a slab of rows at a time."""
-    coef = coef.unsqueeze(1)
-    step = max(1, _SLAB_BYTES // (4 * out.shape[1]))
-    for i in range(0, out.shape[0], step):
-        j = i + step
-        out[i:j].subtract_(rows_of[i:j] * coef[i:j])
+    return sqrt_exact(row_dot(x, x)).clip(min=_NORM_EPS)
 
 
 class _Block:
@@ -170,7 +164,7 @@ def _block_logits(ctx, block, w, bias):
         name = block.buffer if ctx.sub_centers == 1 else block.centre_buffer
         cos = paddle.matmul(ctx.x_scaled, w, transpose_y=True,
                             out=_lend(ctx, name, [ctx.n, block.hi - block.lo]))
-        cos.multiply_(ctx.inv_w[block.lo:block.hi])  # 1-D operand: [1, C] is ~6x slower
+        scale_columns_(cos, ctx.inv_w[block.lo:block.hi])
         logits = _class_max(ctx, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
@@ -191,8 +185,8 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
     rows. With S the row sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r and the
     column factors are applied to the small GEMM operands, so the GEMMs are the only passes
     over `buf`. Where the weight gradient goes (`_weight_grad_rows`) is `ctx.d_w`'s rows,
-    written by the GEMM itself, or, a slab of `_WGRAD_SLAB` rows at a time (no `[chunk, d]`
-    temporary), `ctx.sink(lo, hi, weight_rows_grad, None)`."""
+    written by the GEMM itself, or, a block or slab at a time (at most 64 MiB),
+    `ctx.sink(lo, hi, weight_rows_grad, None)`."""
     margin = ctx.margin
     old = block.take(buf)
     target = old - ctx.sum_exp
@@ -203,7 +197,7 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
         buf = _to_centres(ctx, block, buf)
         inv_w = ctx.inv_w[block.lo:block.hi]
-        buf.multiply_(inv_w)
+        scale_columns_(buf, inv_w)
         scale = row_scale * margin.scale
         if d_x is not None:
             d_x.add_(paddle.matmul(buf, w) * scale)
@@ -222,21 +216,22 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
 
 def _weight_grad_rows(ctx, block, buf, w, inv_w, rhs):
     """The block's weight gradient: P = bufᵀ·rhs, and for normalised logits the
-    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|), a slab of
-    `_WGRAD_SLAB` rows at a time: into `ctx.d_w` the GEMM writes each slab in place, to
-    `ctx.sink` it hands each slab. Both use the same GEMM shapes, so the fused update sees the
-    separate update's gradient bit for bit whatever the BLAS kernel (MKL's AVX2 kernels round
-    a row differently for different row counts)."""
+    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|), in one GEMM when the
+    block's gradient takes at most `_WGRAD_BLOCK_BYTES` (64 MiB), else a slab of `_WGRAD_SLAB`
+    rows at a time (a column slab of `buf` is a strided view, copied for the GEMM: 0.26 s over
+    [512, 200000] on one thread here): into `ctx.d_w` the GEMM writes in place, to `ctx.sink`
+    it hands each slab. Both use the same GEMM shapes, so the fused update sees the separate
+    update's gradient bit for bit whatever the BLAS kernel (MKL's AVX2 kernels round a row
+    differently for different row counts)."""
     width = buf.shape[1]
-    step = _WGRAD_SLAB
+    step = width if width * rhs.shape[1] * 4 <= _WGRAD_BLOCK_BYTES else _WGRAD_SLAB
     for lo in range(0, width, step):
         hi = min(lo + step, width)
         part = buf if (lo, hi) == (0, width) else buf[:, lo:hi]
         out = ctx.d_w[block.lo + lo:block.lo + hi] if ctx.d_w is not None else None
         g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
         if inv_w is not None:
-            w_part, inv = w[lo:hi], inv_w[lo:hi]
-            _subtract_scaled_rows_(g_w, w_part, _row_dot(w_part, g_w) * inv * inv)
+            remove_row_components_(g_w, w[lo:hi], inv_w[lo:hi])
         if ctx.d_w is None:
             ctx.sink(block.lo + lo, block.lo + hi, g_w, None)
 
@@ -277,10 +272,8 @@ class _ParallelSoftmaxCE(PyLayer):
 
         if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
             logits, target_logit = _block_logits(ctx, blocks[0], _rows_f32(weight), bias)
-            row_max = all_reduce_(logits.max(axis=1), "max", group)
-            logits.subtract_(row_max.unsqueeze(1))
-            logits.exp_()
-            sum_exp = all_reduce_(logits.sum(axis=1), "sum", group)
+            row_max = all_reduce_(row_max_of(logits), "max", group)
+            sum_exp = all_reduce_(exp_shifted_(logits, row_max)[1], "sum", group)
             _zero_clamped_(blocks[0], logits)  # in the sum, but no gradient
             ctx.exp_logits = logits
         else:  # chunked: running max and sum, blocks dropped as they go
@@ -292,10 +285,8 @@ class _ParallelSoftmaxCE(PyLayer):
                 logits, t = _block_logits(ctx, block, w, bias)
                 block.pick = block.clamped = None  # the backward finds them again
                 target_logit = paddle.where(block.inside, t, target_logit)
-                new_max = paddle.maximum(run_max, logits.max(axis=1))
-                logits.subtract_(new_max.unsqueeze(1))
-                logits.exp_()
-                run_sum = run_sum * paddle.exp(run_max - new_max) + logits.sum(axis=1)
+                new_max, block_sum = exp_shifted_(logits, run_max, running=True)
+                run_sum = run_sum * paddle.exp(run_max - new_max) + block_sum
                 run_max = new_max
                 del logits, w
                 _give_back(ctx, block.buffer, block.centre_buffer)
@@ -338,8 +329,7 @@ class _ParallelSoftmaxCE(PyLayer):
             w = _rows_f32(weight, block.lo, block.hi)
             if buf is None:
                 block_buf, _ = _block_logits(ctx, block, w, bias)
-                block_buf.subtract_(ctx.row_max.unsqueeze(1))
-                block_buf.exp_()
+                exp_shifted_(block_buf, ctx.row_max, want_sum=False)
                 _zero_clamped_(block, block_buf)
             else:
                 block_buf, buf = buf, None
@@ -353,7 +343,7 @@ class _ParallelSoftmaxCE(PyLayer):
         ctx.d_w = ctx.d_b = ctx.sink = None
         if need_x and margin.normalized:
             x_hat = ctx.x_hat
-            d_x = (d_x - x_hat * _row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
+            d_x = (d_x - x_hat * row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
         if ctx.has_bias:
             return d_x, d_w, d_b, None
         return d_x, d_w, None

@@ -1,0 +1,145 @@
+"""numpy kernels on Paddle's own CPU tensors, where Paddle 3.3's CPU kernels are slow.
+
+A float32 CPU tensor is viewed as a numpy array through DLPack (no copy) and the work is split
+by whole rows over the rank's kernel threads (`plsc.runtime.kernel_threads`; numpy releases
+the GIL in its loops). A row is always computed whole by one call, so results do not depend on
+the thread count or on how the rows were sliced. The functions ending in `_` work in place and
+need a contiguous tensor. Every other tensor (other devices, other dtypes, strided views) goes
+to Paddle's own ops, so callers stay device-agnostic.
+
+Measured on this project's 2-core AMD machine, one thread: the row dot products of a
+[200000, 512] float32 pair take 0.36 s with `paddle.einsum("ij,ij->i")` and 0.04 s here; on a
+[512, 16384] block of logits, scaling the columns, the row max, subtracting it, exp and the row
+sum take 39 ms as Paddle ops and 13 ms here (9 ms on two threads).
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import paddle
+
+from . import runtime
+
+__all__ = ["applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "row_max",
+           "exp_shifted_", "remove_row_components_"]
+
+_SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
+
+_pools = {}
+
+
+def applies(*tensors):
+    """True when every tensor is a non-empty float32 tensor on the CPU."""
+    return all(t.place.is_cpu_place() and t.dtype == paddle.float32 and t.size > 0
+               for t in tensors)
+
+
+def as_numpy(t):
+    """A numpy view of the CPU tensor `t`'s memory (a contiguous copy first if `t` is a
+    strided view). Writes through the view change the tensor."""
+    t = t.detach()
+    return np.from_dlpack(t if t.is_contiguous() else t.contiguous())
+
+
+def run_rows(fn, rows, step):
+    """fn(lo, hi) over [0, rows) in slabs of `step` rows, the slabs dealt round-robin to the
+    kernel threads."""
+    slabs = [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+    threads = max(1, min(runtime.kernel_threads(), len(slabs)))
+
+    def part(k):
+        for lo, hi in slabs[k::threads]:
+            fn(lo, hi)
+    if threads == 1:
+        part(0)
+        return
+    pool = _pools.get(threads)
+    if pool is None:
+        pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="plsc-cpu")
+    list(pool.map(part, range(threads)))
+
+
+def _step(t):
+    return max(1, _SLAB_FLOATS // max(1, t.shape[1]))
+
+
+def _in_place_ok(buf, *others):
+    return applies(buf, *others) and buf.is_contiguous() and buf.ndim == 2
+
+
+def row_dot(a, b):
+    """`[n]` dot products of the rows of two `[n, d]` tensors (float32)."""
+    if not applies(a, b):
+        return paddle.einsum("ij,ij->i", a, b)
+    out = paddle.empty([a.shape[0]], dtype=paddle.float32)
+    x, y, o = as_numpy(a), as_numpy(b), as_numpy(out)
+
+    def dot(lo, hi):
+        np.einsum("ij,ij->i", x[lo:hi], y[lo:hi], out=o[lo:hi])
+    run_rows(dot, a.shape[0], _step(a))
+    return out
+
+
+def scale_columns_(buf, scale):
+    """buf[:, j] *= scale[j] in place (`buf`: [n, m], `scale`: [m]); returns `buf`."""
+    if not _in_place_ok(buf, scale):
+        return buf.multiply_(scale)
+    b, c = as_numpy(buf), as_numpy(scale)
+    run_rows(lambda lo, hi: np.multiply(b[lo:hi], c, out=b[lo:hi]), buf.shape[0], _step(buf))
+    return buf
+
+
+def row_max(buf):
+    """`[n]` largest entry of each row of `buf` ([n, m])."""
+    if not applies(buf):
+        return buf.max(axis=1)
+    out = paddle.empty([buf.shape[0]], dtype=paddle.float32)
+    b, o = as_numpy(buf), as_numpy(out)
+    run_rows(lambda lo, hi: np.max(b[lo:hi], axis=1, out=o[lo:hi]), buf.shape[0], _step(buf))
+    return out
+
+
+def exp_shifted_(buf, shift, running=False, want_sum=True):
+    """buf = exp(buf − m) in place, row by row, with m = `shift` ([n]), or with `running` the
+    larger of `shift` and the row's own max. Returns (m, the row sums of the new `buf`, or None
+    without `want_sum`). One pass over `buf` here; four as Paddle ops."""
+    if not _in_place_ok(buf, shift):
+        m = paddle.maximum(shift, buf.max(axis=1)) if running else shift
+        buf.subtract_(m.unsqueeze(1))
+        buf.exp_()
+        return m, (buf.sum(axis=1) if want_sum else None)
+    m = paddle.empty(shift.shape, dtype=paddle.float32) if running else shift
+    total = paddle.empty(shift.shape, dtype=paddle.float32) if want_sum else None
+    b, sh, mm = as_numpy(buf), as_numpy(shift), as_numpy(m)
+    s = as_numpy(total) if want_sum else None
+
+    def rows(lo, hi):
+        part = b[lo:hi]
+        if running:
+            np.maximum(np.max(part, axis=1), sh[lo:hi], out=mm[lo:hi])
+        np.subtract(part, mm[lo:hi, None], out=part)
+        np.exp(part, out=part)
+        if want_sum:
+            np.sum(part, axis=1, out=s[lo:hi])
+    run_rows(rows, buf.shape[0], _step(buf))
+    return m, total
+
+
+def remove_row_components_(g, w, inv):
+    """g_j −= w_j · ((w_j·g_j) · inv_j · inv_j) in place, row by row (`g`, `w`: [n, d],
+    `inv`: [n]): with inv = 1/|w|, the part of each row of `g` along its row of `w` removed."""
+    if not (_in_place_ok(g, w, inv) and w.is_contiguous()):
+        coef = (row_dot(w, g) * inv * inv).unsqueeze(1)
+        step = max(1, _SLAB_FLOATS // max(1, g.shape[1]))
+        for i in range(0, g.shape[0], step):
+            g[i:i + step].subtract_(w[i:i + step] * coef[i:i + step])
+        return g
+    gn, wn, iv = as_numpy(g), as_numpy(w), as_numpy(inv)
+
+    def rows(lo, hi):
+        gs, ws = gn[lo:hi], wn[lo:hi]
+        coef = np.einsum("ij,ij->i", ws, gs)
+        coef *= iv[lo:hi]
+        coef *= iv[lo:hi]
+        gs -= ws * coef[:, None]
+    run_rows(rows, g.shape[0], _step(g))
+    return g
