@@ -199,6 +199,7 @@ def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
     paddle.seed(5)
     model = build_model("IResNetTiny", embedding_size=32, input_size=(28, 28))
     x = paddle.randn([4, 3, 28, 28])
+    target = paddle.randn([4, 32])
     grads = []
     for swap in (False, True):
         if swap:  # the same parameters, Paddle's own kernel
@@ -206,11 +207,12 @@ def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
                 if isinstance(layer, PReLU):
                     layer.forward = lambda t, layer=layer: F.prelu(t, layer._weight)
         out = model(x)
-        (out * paddle.arange(out.shape[1], dtype="float32")).sum().backward()
+        (out - target).square().sum().backward()
         grads.append({n: p.grad.numpy() for n, p in model.named_parameters()
                       if p.grad is not None})
         model.clear_gradients(set_to_zero=False)
     assert grads[0].keys() == grads[1].keys()
     assert any(n.endswith("prelu._weight") for n in grads[0])
     for name, g in grads[1].items():
-        np.testing.assert_allclose(grads[0][name], g, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(grads[0][name], g, rtol=1e-4, atol=1e-4 * np.abs(g).max(),
+                                   err_msg=name)
