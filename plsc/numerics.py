@@ -11,6 +11,8 @@ is correctly rounded, and rounding it to float32 gives the correctly rounded flo
 """
 import paddle
 
+from .cpu_kernels import take_rows
+
 __all__ = ["STORAGE_DTYPES", "UPCAST_SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
            "gather_rows", "sqrt_exact"]
 
@@ -48,8 +50,8 @@ def gather_rows(t, index):
     """Rows `index` of `t`, in `t`'s dtype (Paddle 3.3 has no float16 gather on CPU: 16-bit
     rows move as int16)."""
     if t.dtype in (paddle.bfloat16, paddle.float16):
-        return paddle.gather(t.view("int16"), index).view(t.dtype)
-    return paddle.gather(t, index)
+        return take_rows(t.view("int16"), index).view(t.dtype)
+    return take_rows(t, index)
 
 
 def sqrt_exact(x):

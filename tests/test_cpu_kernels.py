@@ -148,7 +148,7 @@ def test_keep_freed_memory_reuses_large_blocks_and_can_be_left_off():
 def path(request, monkeypatch):
     """Each head kernel on its numpy path and on Paddle's ops (as on other devices)."""
     if request.param == "paddle":
-        monkeypatch.setattr(cpu_kernels, "applies", lambda *tensors: False)
+        monkeypatch.setattr(cpu_kernels, "applies", lambda *tensors, **kw: False)
     return request.param
 
 
@@ -216,3 +216,29 @@ def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
     for name, g in grads[1].items():
         np.testing.assert_allclose(grads[0][name], g, rtol=1e-4, atol=1e-4 * np.abs(g).max(),
                                    err_msg=name)
+
+
+def test_take_rows_against_numpy_indexing(path, threads):
+    """Rows picked by index (repeats, any order), float32 and 16-bit bits, into a given
+    output or a new one; an index out of range is an error, not a clipped row."""
+    from plsc.numerics import gather_rows
+    rng = np.random.default_rng(4)
+    src = rng.standard_normal([3000, 24]).astype(np.float32)
+    index = rng.integers(0, 3000, 2500)
+    index[:3] = [2999, 0, 2999]
+    for n in (1, 2):
+        threads(n)
+        got = cpu_kernels.take_rows(paddle.to_tensor(src), paddle.to_tensor(index))
+        assert np.array_equal(got.numpy(), src[index])
+        out = paddle.full([2500, 24], 7.0)
+        back = cpu_kernels.take_rows(paddle.to_tensor(src), paddle.to_tensor(index), out=out)
+        assert np.array_equal(out.numpy(), src[index])
+        assert back.data_ptr() == out.data_ptr()
+        half = paddle.to_tensor(src).astype("bfloat16")
+        picked = gather_rows(half, paddle.to_tensor(index.astype(np.int32)))
+        assert picked.dtype == paddle.bfloat16
+        assert np.array_equal(picked.astype("float32").numpy(),
+                              half.astype("float32").numpy()[index])
+    if path == "numpy":  # Paddle's own gather has its own range error
+        with pytest.raises(IndexError, match=r"\[0, 3000\)"):
+            cpu_kernels.take_rows(paddle.to_tensor(src), paddle.to_tensor([5, 3000]))

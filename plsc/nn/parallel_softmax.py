@@ -27,8 +27,9 @@ centre, `_to_centres` sends each class's gradient back to it. Margins with a `co
 (AdaFace) clamp the non-target logits (`_clamp_`); those outside the clamp are in the softmax
 but get no gradient (`_zero_clamped_`).
 
-The weight gradient goes where the caller wants it, a block (for wide blocks a slab of
-`_WGRAD_SLAB` rows) at a time, the same GEMM shapes either way: straight from the GEMM into
+The backward works a block (for wide blocks a slab of `_WGRAD_SLAB` classes, copied out of
+the block once) at a time: the embedding gradient is summed over them, and the weight gradient
+goes where the caller wants it, the same GEMM shapes either way: straight from the GEMM into
 the array the backward returns, or to a sink that writes it over the weight (Partial FC's
 scratch rows) or gives it to `row_update`, which applies the optimizer to those rows at once,
 so that no weight-gradient array exists (at most a 64 MiB block of it).
@@ -40,7 +41,8 @@ ops elsewhere).
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import exp_shifted_, remove_row_components_, row_dot, scale_columns_
+from ..cpu_kernels import (copy_columns, exp_shifted_, remove_row_components_, row_dot,
+                           scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from ..numerics import UPCAST_SLAB_BYTES, sqrt_exact, to_float32
@@ -182,11 +184,9 @@ def _block_logits(ctx, block, w, bias):
 def _block_backward(ctx, block, buf, w, row_scale, d_x):
     """Gradients from one block of E = exp(logit − max) (`w`: the block's float32 rows):
     adds the embedding part to `d_x` and produces the block's weight (and bias) gradient
-    rows. With S the row sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r and the
-    column factors are applied to the small GEMM operands, so the GEMMs are the only passes
-    over `buf`. Where the weight gradient goes (`_weight_grad_rows`) is `ctx.d_w`'s rows,
-    written by the GEMM itself, or, a block or slab at a time (at most 64 MiB),
-    `ctx.sink(lo, hi, weight_rows_grad, None)`."""
+    rows. With S the row sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r is applied to
+    the small GEMM operands and the output, so the GEMMs are the only passes over `buf` (and,
+    for a wide block, the one pass that copies each column slab for them, `_slabs`)."""
     margin = ctx.margin
     old = block.take(buf)
     target = old - ctx.sum_exp
@@ -194,46 +194,62 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
         target = target * margin.target_grad(block.cos_t) / margin.scale
     block.put_(buf, target, old)
     if margin.normalized:
-        # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|).
+        # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|): column j of buf is divided
+        # by |W_j| before both GEMMs.
         buf = _to_centres(ctx, block, buf)
         inv_w = ctx.inv_w[block.lo:block.hi]
-        scale_columns_(buf, inv_w)
         scale = row_scale * margin.scale
-        if d_x is not None:
-            d_x.add_(paddle.matmul(buf, w) * scale)
         rhs = ctx.x_hat * scale
     else:
-        inv_w = None
-        if d_x is not None:
-            d_x.add_(paddle.matmul(buf, w) * row_scale)
+        inv_w, scale = None, row_scale
         rhs = ctx.features * row_scale
     if ctx.d_b is not None:  # the bias (plain softmax) has one gradient per class
         paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
                       out=ctx.d_b[block.start:block.stop])
-    if ctx.need_w:
-        _weight_grad_rows(ctx, block, buf, w, inv_w, rhs)
+    d_x_block = None
+    for lo, hi, part in _slabs(ctx, buf, inv_w, rhs.shape[1]):
+        if d_x is not None:
+            prod = paddle.matmul(part, w if (lo, hi) == (0, buf.shape[1]) else w[lo:hi])
+            d_x_block = prod if d_x_block is None else d_x_block.add_(prod)
+        if ctx.need_w:
+            _weight_grad_rows(ctx, block.lo + lo, block.lo + hi, part, w[lo:hi],
+                              None if inv_w is None else inv_w[lo:hi], rhs)
+    if d_x_block is not None:
+        d_x.add_(d_x_block * scale)
 
 
-def _weight_grad_rows(ctx, block, buf, w, inv_w, rhs):
-    """The block's weight gradient: P = bufᵀ·rhs, and for normalised logits the
-    correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|), in one GEMM when the
-    block's gradient takes at most `_WGRAD_BLOCK_BYTES` (64 MiB), else a slab of `_WGRAD_SLAB`
-    rows at a time (a column slab of `buf` is a strided view, copied for the GEMM: 0.26 s over
-    [512, 200000] on one thread here): into `ctx.d_w` the GEMM writes in place, to `ctx.sink`
-    it hands each slab. Both use the same GEMM shapes, so the fused update sees the separate
-    update's gradient bit for bit whatever the BLAS kernel (MKL's AVX2 kernels round a row
-    differently for different row counts)."""
+def _slabs(ctx, buf, inv_w, d):
+    """(lo, hi, columns [lo, hi) of `buf` times `inv_w[lo:hi]`) over the block: the whole
+    block, scaled in place, when its weight gradient takes at most `_WGRAD_BLOCK_BYTES`
+    (64 MiB); else slabs of `_WGRAD_SLAB` columns, each scaled into one contiguous scratch
+    (the GEMMs need contiguous operands, and a column slab of `buf` is a strided view), so the
+    scaling and the copy are one pass. Both paths of the weight gradient (into an array, or
+    into `ctx.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
+    (MKL's AVX2 kernels round a row differently for different row counts)."""
     width = buf.shape[1]
-    step = width if width * rhs.shape[1] * 4 <= _WGRAD_BLOCK_BYTES else _WGRAD_SLAB
-    for lo in range(0, width, step):
-        hi = min(lo + step, width)
-        part = buf if (lo, hi) == (0, width) else buf[:, lo:hi]
-        out = ctx.d_w[block.lo + lo:block.lo + hi] if ctx.d_w is not None else None
-        g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
-        if inv_w is not None:
-            remove_row_components_(g_w, w[lo:hi], inv_w[lo:hi])
-        if ctx.d_w is None:
-            ctx.sink(block.lo + lo, block.lo + hi, g_w, None)
+    if width * d * 4 <= _WGRAD_BLOCK_BYTES:
+        yield 0, width, buf if inv_w is None else scale_columns_(buf, inv_w)
+        return
+    scratch = None
+    for lo in range(0, width, _WGRAD_SLAB):
+        hi = min(lo + _WGRAD_SLAB, width)
+        if scratch is None or scratch.shape[1] != hi - lo:
+            scratch = paddle.empty([buf.shape[0], hi - lo], dtype="float32")
+        yield lo, hi, copy_columns(buf, lo, hi, None if inv_w is None else inv_w[lo:hi],
+                                   out=scratch)
+
+
+def _weight_grad_rows(ctx, lo, hi, part, w, inv_w, rhs):
+    """Weight rows [lo, hi)'s gradient from their slab `part` of the logits' gradient (its
+    columns already divided by |W_j| for normalised logits): P = partᵀ·rhs, and for normalised
+    logits the correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|). Into
+    `ctx.d_w`'s rows the GEMM writes in place; to `ctx.sink` the rows are handed over."""
+    out = ctx.d_w[lo:hi] if ctx.d_w is not None else None
+    g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
+    if inv_w is not None:
+        remove_row_components_(g_w, w, inv_w)
+    if ctx.d_w is None:
+        ctx.sink(lo, hi, g_w, None)
 
 
 def _over_weight(weight):

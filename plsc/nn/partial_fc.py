@@ -5,6 +5,7 @@ import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
+from ..cpu_kernels import take_rows
 from ..numerics import STORAGE_DTYPES, UPCAST_SLAB_BYTES, cast_nearest, gather_rows, to_float32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
@@ -183,10 +184,11 @@ class PartialFC(nn.Layer):
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
         source = param.detach()
+        rows = out.detach() if out is not None else None  # a new leaf over the buffer
         if source.dtype == paddle.float32:
-            rows = paddle.index_select(source, index, out=out)
+            rows = take_rows(source, index, out=rows)
         else:
-            rows = out.detach() if out is not None else paddle.empty(shape, dtype="float32")
+            rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
             step = max(1, UPCAST_SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
