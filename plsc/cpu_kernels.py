@@ -13,6 +13,8 @@ Measured on this project's 2-core AMD machine, one thread: the row dot products 
 sum take 39 ms as Paddle ops and 13 ms here (9 ms on two threads); gathering 1.25M rows of a
 [12.5M, 128] float32 array (Partial FC's sampled centres) takes 2.5 s with `index_select`.
 """
+import ctypes
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -56,6 +58,32 @@ def run_rows(fn, rows, step):
     if pool is None:
         pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="plsc-cpu")
     list(pool.map(part, range(threads)))
+
+
+_VS_EXP = []  # [MKL's vsExp, or None], looked up at the first use
+
+
+def _exp_(a):
+    """a = exp(a) in place (`a`: a C-contiguous float32 numpy array): MKL's vsExp from the MKL
+    that Paddle's CPU wheel bundles, where there is one, else numpy's exp. Measured here on a
+    [512, 25000] block: 0.46 ns an element against numpy's 1.6, and closer to the exact value
+    (largest relative error 6.8e-8 against 1.9e-7)."""
+    if not _VS_EXP:
+        _VS_EXP.append(_load_vs_exp())
+    if _VS_EXP[0] is None or not a.flags.c_contiguous or a.size >= 1 << 31:
+        np.exp(a, out=a)
+    else:
+        _VS_EXP[0](a.size, a.ctypes.data, a.ctypes.data)
+
+
+def _load_vs_exp():
+    path = os.path.join(os.path.dirname(paddle.__file__), "libs", "libmklml_intel.so")
+    try:
+        fn = ctypes.CDLL(path).vsExp
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = None, [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
 
 
 def _step(t):
@@ -137,7 +165,7 @@ def exp_shifted_(buf, shift, running=False, want_sum=True):
         if running:
             np.maximum(np.max(part, axis=1), sh[lo:hi], out=mm[lo:hi])
         np.subtract(part, mm[lo:hi, None], out=part)
-        np.exp(part, out=part)
+        _exp_(part)
         if want_sum:
             np.sum(part, axis=1, out=s[lo:hi])
     run_rows(rows, buf.shape[0], _step(buf))

@@ -242,3 +242,27 @@ def test_take_rows_against_numpy_indexing(path, threads):
     if path == "numpy":  # Paddle's own gather has its own range error
         with pytest.raises(IndexError, match=r"\[0, 3000\)"):
             cpu_kernels.take_rows(paddle.to_tensor(src), paddle.to_tensor([5, 3000]))
+
+
+@pytest.mark.parametrize("mkl", [True, False])
+def test_exp_with_and_without_mkl_against_float64(mkl, monkeypatch):
+    """exp in place through MKL's vsExp (Paddle's bundled MKL) and through numpy's fallback."""
+    if mkl:
+        fn = cpu_kernels._load_vs_exp()
+        if fn is None:
+            pytest.skip("this Paddle build bundles no MKL")
+        monkeypatch.setattr(cpu_kernels, "_VS_EXP", [fn])
+    else:
+        monkeypatch.setattr(cpu_kernels, "_VS_EXP", [None])
+    rng = np.random.default_rng(6)
+    a = (rng.standard_normal([7, 1001]) * 30).astype(np.float32)
+    a[0, :4] = [0.0, -104.0, 88.0, -np.inf]
+    with np.errstate(over="ignore"):
+        expect = np.exp(a.astype(np.float64)).astype(np.float32)  # inf above 88.7, as float32
+    got = a.copy()
+    cpu_kernels._exp_(got)
+    np.testing.assert_allclose(got, expect, rtol=3e-7, atol=2e-45)
+    strided = a.copy()[:, ::2]  # not contiguous: numpy's exp
+    with np.errstate(over="ignore"):
+        cpu_kernels._exp_(strided)
+    np.testing.assert_allclose(strided, expect[:, ::2], rtol=3e-7, atol=2e-45)

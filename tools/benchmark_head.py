@@ -18,11 +18,11 @@
 A step is forward + backward (+ the head's SparseMomentum update with
 `--update`; with `--fused` the update happens inside the backward, float32 runs excepted
 when `--fused-fp32` is not given). `--param-dtype` stores the centres and the momentum in
-that dtype (each value measured in turn). Measured in the same run, in rounds (each round
-runs every one once; medians reported): the step time, the time of the head's three GEMMs
-alone on the same shapes, back to back (logits, embedding gradient, weight gradient, dense
-shapes; with sampling, on the sampled rows): `gemm_time_s` with fresh outputs, as any op
-allocates them, `gemm_compute_s` into outputs allocated once (the arithmetic alone);
+that dtype (each value measured in turn). Measured in the same run: the step time, the time of the head's
+three GEMMs alone on the same shapes (logits, embedding gradient, weight
+gradient, dense shapes; with sampling, on the sampled rows; each repeated back to
+back, medians added): `gemm_time_s` with fresh outputs, as any op allocates them,
+`gemm_compute_s` into outputs allocated once (the arithmetic alone);
 `group_time_ratio` divides the step by the slowest rank's `gemm_time_s` (the ranks' steps
 wait for each other, so the slowest rank's GEMMs bound the group); with sampling the time of
 the draw alone (`sample_time_s`) and, with
@@ -194,23 +194,9 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
     peak = meter.peak() - base + workspace
     retained = meter.current() - base
     clear()
-    # The three GEMMs alone, same shapes (logits, dx, dW): with fresh outputs (as any op
-    # allocates them), and into outputs allocated once (the arithmetic alone, without the
-    # first touch of fresh memory).
-    feats = paddle.randn([n, d])
-    w = paddle.randn([head.num_sample * head.sub_centers, d])
-    logits = paddle.matmul(feats, w, transpose_y=True)
-    outs = [paddle.ones_like(logits), paddle.ones_like(feats), paddle.ones_like(w)]
-    gemms = [(lambda o: paddle.matmul(feats, w, transpose_y=True, out=o)),
-             (lambda o: paddle.matmul(logits, w, out=o)),
-             (lambda o: paddle.matmul(logits, feats, transpose_x=True, out=o))]
-
-    # The step, the GEMMs (back to back, as one run) and the dense head and the draw when
-    # asked, timed in rounds, each round running every one once, so that a drift of the
-    # machine's speed hits all alike; medians reported.
-    runs = {"step": lambda: (clear(), step()),
-            "gemms": lambda: [g(None) for g in gemms],
-            "gemms_compute": lambda: [g(o) for g, o in zip(gemms, outs)]}
+    # The step (and the dense head, and the draw) timed in rounds, each round running every
+    # one once, so that a drift of the machine's speed hits all alike; medians reported.
+    runs = {"step": lambda: (clear(), step())}
     if ratio < 1.0:  # the draw alone, on this step's labels
         target = head.partition.shard_labels(pd.gather_concat(y), rank)
         runs["sample"] = lambda: sample_centres(target, head.num_local, ratio, args.seed, 0, rank)
@@ -229,16 +215,31 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
         for key, fn in runs.items():
             times[key].append(timed(fn, 1))
     t = {key: statistics.median(v) for key, v in times.items()}
-    step_time, gemm_time, gemm_compute = t["step"], t["gemms"], t["gemms_compute"]
-    # The ranks' steps wait for each other in the collectives, so the group's step is bound
-    # by its slowest rank's GEMMs.
-    slowest = paddle.to_tensor([gemm_time], dtype="float64")
-    if world > 1:
-        pd.all_reduce_(slowest, "max")
-    group_gemm_time = float(slowest)
+    step_time = t["step"]
     if args.compare_dense:
         del dense
-    del runs, feats, w, logits, outs
+    del runs
+
+    # The three GEMMs alone, same shapes (logits, dx, dW), each repeated back to back, after
+    # the step's rounds (their operands alive during the step slow it down here): with fresh
+    # outputs (as any op allocates them), and into outputs allocated once (the arithmetic
+    # alone, without the first touch of fresh memory).
+    feats = paddle.randn([n, d])
+    w = paddle.randn([head.num_sample * head.sub_centers, d])
+    logits = paddle.matmul(feats, w, transpose_y=True)
+    outs = [paddle.ones_like(logits), paddle.ones_like(feats), paddle.ones_like(w)]
+    gemms = [(lambda o: paddle.matmul(feats, w, transpose_y=True, out=o)),
+             (lambda o: paddle.matmul(logits, w, out=o)),
+             (lambda o: paddle.matmul(logits, feats, transpose_x=True, out=o))]
+    gemm_time = sum(timed(lambda: g(None), args.steps) for g in gemms)
+    gemm_compute = sum(timed(lambda: g(o), args.steps) for g, o in zip(gemms, outs))
+    del feats, w, logits, outs
+    # The ranks' steps wait for each other in the collectives, so the group's step is bound
+    # by its slowest rank's GEMMs.
+    slowest = paddle.to_tensor([gemm_time], dtype="float32")
+    if world > 1:
+        pd.all_reduce_(slowest, "max")
+    group_gemm_time = float(slowest[0])
 
     extra = {}
     if "sample" in t:
