@@ -207,7 +207,7 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
         paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
                       out=ctx.d_b[block.start:block.stop])
     d_x_block = None
-    for lo, hi, part in _slabs(ctx, buf, inv_w, rhs.shape[1]):
+    for lo, hi, part in _slabs(buf, inv_w, rhs.shape[1]):
         if d_x is not None:
             prod = paddle.matmul(part, w if (lo, hi) == (0, buf.shape[1]) else w[lo:hi])
             d_x_block = prod if d_x_block is None else d_x_block.add_(prod)
@@ -218,7 +218,7 @@ def _block_backward(ctx, block, buf, w, row_scale, d_x):
         d_x.add_(d_x_block * scale)
 
 
-def _slabs(ctx, buf, inv_w, d):
+def _slabs(buf, inv_w, d):
     """(lo, hi, columns [lo, hi) of `buf` times `inv_w[lo:hi]`) over the block: the whole
     block, scaled in place, when its weight gradient takes at most `_WGRAD_BLOCK_BYTES`
     (64 MiB); else slabs of `_WGRAD_SLAB` columns, each scaled into one contiguous scratch
