@@ -131,9 +131,12 @@ def test_keep_freed_memory_reuses_large_blocks_and_can_be_left_off():
             "    np.from_dlpack(paddle.empty([64 << 20])).fill(1)\n"  # 256 MiB
             "fill()\n"
             "import resource\n"
-            "minor = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "fill()\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minor)\n")
+            "counts = []\n"
+            "for _ in range(3):\n"  # the fewest of three refills: one can be disturbed
+            "    minor = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "    fill()\n"
+            "    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minor)\n"
+            "print(min(counts))\n")
     faults = {}
     for mode in ("off", "on"):
         out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
