@@ -8,13 +8,10 @@ A checkpoint written before manifests existed gets the checks its files allow (m
 parses, every head .npy is as long as its header says).
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import DATA_ERROR_EXIT_CODE  # noqa: E402
-from plsc.engine.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint  # noqa: E402
+from plsc.cli import DATA_ERROR_EXIT_CODE
+from plsc.engine.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
 
 
 def main(argv=None):

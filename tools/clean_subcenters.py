@@ -15,12 +15,9 @@ dominant ones) to go on training with the cleaned set:
 
 See plsc/engine/cleaning.py for the details.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def clean(cfg, checkpoint, threshold, out_dir, write_rec):

@@ -3,12 +3,9 @@
     python tools/eval.py -c configs/arcface_r50.yaml -o Global.checkpoint=latest
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval.py -c CONFIG -o Global.pretrained=backbone.pdparams
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def evaluate(cfg):

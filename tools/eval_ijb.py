@@ -5,12 +5,9 @@
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval_ijb.py -c CONFIG \
         --root IJB_release/IJBB --target IJBB -o Global.pretrained=backbone.pdparams
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def evaluate(cfg, args):

@@ -2,12 +2,9 @@
 
     python tools/export.py -c configs/arcface_r50.yaml -o Global.checkpoint=latest --output export/
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def export(cfg, output, onnx):

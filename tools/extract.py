@@ -2,12 +2,9 @@
 
     python tools/extract.py -c CONFIG -o Global.checkpoint=latest --input data/ms1mv3 --output emb.npy
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def extract(cfg, source, output, flip, batch_size):

@@ -5,13 +5,9 @@
 """
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.data.synthetic import generate  # noqa: E402
+from plsc.data.synthetic import generate
 
 
 def main(argv=None):

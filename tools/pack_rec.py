@@ -13,14 +13,12 @@ import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cv2
 
-import cv2  # noqa: E402
-
-from plsc.data.errors import DataError  # noqa: E402
-from plsc.data.facerec import write_face_rec  # noqa: E402
-from plsc.data.sources import read_image_list, scan_image_folder  # noqa: E402
-from plsc.data.transforms import decode_image  # noqa: E402
+from plsc.data.errors import DataError
+from plsc.data.facerec import write_face_rec
+from plsc.data.sources import read_image_list, scan_image_folder
+from plsc.data.transforms import decode_image
 
 logger = logging.getLogger("pack_rec")
 

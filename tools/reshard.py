@@ -14,12 +14,9 @@ takes a float16/32/64 array and stores it in the checkpoint's dtype for that arr
 rounded to nearest even).
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.engine.checkpoint import (CheckpointDamaged, export_classifier,  # noqa: E402
+from plsc.engine.checkpoint import (CheckpointDamaged, export_classifier,
                                     import_classifier, read_meta, reshard_checkpoint,
                                     verify_checkpoint)
 

@@ -9,12 +9,9 @@ same command resumes from it. When another rank dies, the others exit with statu
 one line naming it. When a checkpoint cannot be written (disk full, I/O error) every rank
 exits with status 74 and one line (see docs/faults.md).
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from plsc.cli import config_parser, run_tool  # noqa: E402
+from plsc.cli import config_parser, run_tool
 
 
 def train(cfg):

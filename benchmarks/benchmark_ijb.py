@@ -1,7 +1,7 @@
 """Throughput of tools/eval_ijb.py's pipeline, and where its time goes. Prints JSON.
 
-    python tools/benchmark_ijb.py --make-layout DIR [--num-images 3000] [--crop-size 250]
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_ijb.py -c configs/demo.yaml \
+    python benchmarks/benchmark_ijb.py --make-layout DIR [--num-images 3000] [--crop-size 250]
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_ijb.py -c configs/demo.yaml \
         --root DIR [-o Data.num_workers=1]
 
 The second command, on every rank and in the same run: the whole task
@@ -16,8 +16,6 @@ import json
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def make_layout(out, num_images, crop_size, seed):

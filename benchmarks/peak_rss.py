@@ -1,6 +1,6 @@
 """Run a command and report the peak resident memory (VmHWM) of each of its processes.
 
-    python tools/peak_rss.py -- python -m paddle.distributed.launch --nproc_per_node 2 \
+    python benchmarks/peak_rss.py -- python -m paddle.distributed.launch --nproc_per_node 2 \
         tools/train.py -c configs/demo.yaml
 
 Polls /proc every --interval seconds for the command's descendants and prints one JSON line

@@ -1,17 +1,17 @@
 """Benchmark a step of the PartialFC head; one JSON line per rank and sample ratio.
 
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --num-classes 200000 --embedding-size 512 --batch-size 128
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --num-classes 1000000 --sample-ratio 1.0 0.3 0.1 --update
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --num-classes 400000 --batch-size 256 --chunk-size 0 25000
-    python tools/benchmark_head.py --num-classes 12500000 --embedding-size 128 \
+    python benchmarks/benchmark_head.py --num-classes 12500000 --embedding-size 128 \
         --batch-size 256 --sample-ratio 0.1 --compare-dense
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --num-classes 400000 --batch-size 256 --chunk-size 25000 --update \
         --param-dtype float32 bfloat16 --fused
-    python -m paddle.distributed.launch --nproc_per_node 2 tools/benchmark_head.py \
+    python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --capacity --num-classes 9000000 --batch-size 256 --chunk-size 16384 \
         --param-dtype bfloat16 --fused --save /tmp/plsc_capacity
 
@@ -38,22 +38,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plsc  # noqa: F401  -- before Paddle: MKL's dispatch on AMD processors
+import numpy as np
+import paddle
+from paddle.base import core
 
-import plsc  # noqa: E402,F401  -- before Paddle: MKL's dispatch on AMD processors
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-from paddle.base import core  # noqa: E402
-
-import plsc.distributed as pd  # noqa: E402
-from plsc import runtime  # noqa: E402
-from plsc.loss import MARGINS  # noqa: E402
-from plsc.nn import PartialFC  # noqa: E402
-from plsc.nn.sampling import sample_centres  # noqa: E402
-from plsc.optim import SparseMomentum  # noqa: E402
+import plsc.distributed as pd
+from plsc import runtime
+from plsc.loss import MARGINS
+from plsc.nn import PartialFC
+from plsc.nn.sampling import sample_centres
+from plsc.optim import SparseMomentum
 
 
 class MemoryMeter:

@@ -1,10 +1,10 @@
 """Is the CPU fast path on? GFLOP/s of the head's three GEMMs and of one backbone training step,
 beside the threads and the BLAS dispatch in use; one JSON line.
 
-    python tools/benchmark_cpu.py                       # plsc's set-up (import plsc first)
-    PLSC_MKL_DISPATCH=keep python tools/benchmark_cpu.py   # MKL's own choice, to compare
-    PLSC_MALLOC=keep python tools/benchmark_cpu.py         # malloc unmapping freed tensors
-    python tools/benchmark_cpu.py --threads 1 --backbone IResNet18 --batch 32
+    python benchmarks/benchmark_cpu.py                       # plsc's set-up (import plsc first)
+    PLSC_MKL_DISPATCH=keep python benchmarks/benchmark_cpu.py   # MKL's own choice, to compare
+    PLSC_MALLOC=keep python benchmarks/benchmark_cpu.py         # malloc unmapping freed tensors
+    python benchmarks/benchmark_cpu.py --threads 1 --backbone IResNet18 --batch 32
 
 The head's GEMMs are those of one dense step of N x d features against C class centres:
 logits = X W^T, dX = dlogits W, dW = dlogits^T X (2·N·d·C flops each), timed back to back.

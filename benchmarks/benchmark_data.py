@@ -6,25 +6,22 @@ and `uint8` (ds[i] is the decoded, flipped, resized HWC uint8 image; the trainer
 normalises whole batches on the device with FaceTransform.normalize, timed
 here too on the CPU, per image).
 
-    python tools/benchmark_data.py [--root DIR_WITH_TRAIN_REC] [--images 3000] [--workers 2]
+    python benchmarks/benchmark_data.py [--root DIR_WITH_TRAIN_REC] [--images 3000] [--workers 2]
 
 Without --root a synthetic 112x112 JPEG rec is generated in a temporary folder.
 """
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import plsc  # noqa: F401  -- before Paddle: MKL's dispatch on AMD processors
+import cv2
+import numpy as np
+import paddle
 
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-
-from plsc.data import RecordIODataset, irheader  # noqa: E402
-from plsc.data.synthetic import generate  # noqa: E402
+from plsc.data import RecordIODataset, irheader
+from plsc.data.synthetic import generate
 
 
 def _rate(fn, n, repeats):
