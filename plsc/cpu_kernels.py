@@ -119,12 +119,14 @@ def scale_columns_(buf, scale):
 
 def copy_columns(buf, lo, hi, scale=None, out=None):
     """Columns [lo, hi) of `buf` ([n, m]) as a contiguous [n, hi − lo] tensor, each column
-    times `scale` ([hi − lo]) when given: into `out` (contiguous, float32) on the numpy path,
-    in one pass; a new tensor from Paddle's ops elsewhere."""
-    if not (_in_place_ok(buf) and (scale is None or applies(scale))
-            and out is not None and out.is_contiguous() and out.shape == [buf.shape[0], hi - lo]):
+    times `scale` ([hi − lo]) when given, in one pass: into `out` when it is such a tensor
+    (float32, contiguous), else into a new one; Paddle's ops (a new tensor) on other devices."""
+    if not (_in_place_ok(buf) and (scale is None or applies(scale))):
         part = buf[:, lo:hi]
         return part.contiguous() if scale is None else part * scale
+    shape = [buf.shape[0], hi - lo]
+    if out is None or not (_in_place_ok(out) and out.shape == shape):
+        out = paddle.empty(shape, dtype=paddle.float32)
     b, o = as_numpy(buf), as_numpy(out)
     c = None if scale is None else as_numpy(scale)
 

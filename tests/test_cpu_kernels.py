@@ -269,3 +269,22 @@ def test_exp_with_and_without_mkl_against_float64(mkl, monkeypatch):
     with np.errstate(over="ignore"):
         cpu_kernels._exp_(strided)
     np.testing.assert_allclose(strided, expect[:, ::2], rtol=3e-7, atol=2e-45)
+
+
+def test_copy_columns_against_numpy(path, threads):
+    """A column slab copied (and scaled) into a given output of its shape, else a new one."""
+    rng = np.random.default_rng(7)
+    buf = rng.standard_normal([37, 500]).astype(np.float32)
+    scale = rng.uniform(0.5, 2, 500).astype(np.float32)
+    t, s = paddle.to_tensor(buf), paddle.to_tensor(scale)
+    for n in (1, 2):
+        threads(n)
+        plain = cpu_kernels.copy_columns(t, 100, 230)
+        assert plain.shape == [37, 130] and np.array_equal(plain.numpy(), buf[:, 100:230])
+        scaled = cpu_kernels.copy_columns(t, 100, 230, s[100:230], out=plain)
+        assert np.array_equal(scaled.numpy(), buf[:, 100:230] * scale[100:230])
+        if path == "numpy":
+            assert scaled.data_ptr() == plain.data_ptr()  # the given output, reused
+        other = cpu_kernels.copy_columns(t, 0, 7, s[:7], out=plain)  # another width: new
+        assert np.array_equal(other.numpy(), buf[:, :7] * scale[:7])
+    assert np.array_equal(t.numpy(), buf)  # the source is untouched

@@ -44,6 +44,21 @@ def test_matches_dense_oracle(name, num_classes):
         assert err <= allowed, (key, err, allowed)
 
 
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_matches_dense_oracle_in_column_slabs(name, monkeypatch):
+    """The wide-block backward (each slab of classes copied and scaled for its GEMMs, the
+    embedding gradient summed over the slabs), forced on a small head: slabs of 7 classes."""
+    import plsc.nn.parallel_softmax as ps
+    monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
+    monkeypatch.setattr(ps, "_WGRAD_SLAB", 7)
+    margin = MARGINS[name]()
+    x, y, w, b = make_case(seed=3, n=12, d=16, num_classes=101, margin=margin)
+    got = run_head(margin, x, y, w, b)
+    got.pop("head")
+    for key, (err, allowed) in compare(got, x, y, w, margin, b).items():
+        assert err <= allowed, (key, err, allowed)
+
+
 def test_loss_beyond_paddle_clamp_is_exact():
     """Per-sample losses above 64, where paddle's cross_entropy saturates: numpy float64 reference."""
     rng = np.random.RandomState(3)

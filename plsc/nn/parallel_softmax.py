@@ -230,13 +230,12 @@ def _slabs(buf, inv_w, d):
     if width * d * 4 <= _WGRAD_BLOCK_BYTES:
         yield 0, width, buf if inv_w is None else scale_columns_(buf, inv_w)
         return
-    scratch = None
+    scratch = None  # one slab's copy, reused while the slab width stays the same
     for lo in range(0, width, _WGRAD_SLAB):
         hi = min(lo + _WGRAD_SLAB, width)
-        if scratch is None or scratch.shape[1] != hi - lo:
-            scratch = paddle.empty([buf.shape[0], hi - lo], dtype="float32")
-        yield lo, hi, copy_columns(buf, lo, hi, None if inv_w is None else inv_w[lo:hi],
-                                   out=scratch)
+        scratch = copy_columns(buf, lo, hi, None if inv_w is None else inv_w[lo:hi],
+                               out=scratch)
+        yield lo, hi, scratch
 
 
 def _weight_grad_rows(ctx, lo, hi, part, w, inv_w, rhs):
