@@ -353,7 +353,7 @@ def capacity(args, ratio, rank, world, chunk, dtype):
            "workspace_bytes_per_class": round(workspace / per, 1),
            "rss_peak_after_steps_bytes": rss_peak_bytes()}
     if args.save:
-        from plsc.engine.checkpoint import save_rows_npy
+        from plsc.checkpoint import save_rows_npy
         folder = os.path.join(args.save, f"head_rank{rank}")
         os.makedirs(folder, exist_ok=True)
         meter.reset_peak()

@@ -5,7 +5,7 @@
         --root DIR [-o Data.num_workers=1]
 
 The second command, on every rank and in the same run: the whole task
-(`plsc.engine.ijb.evaluate_ijb`: meta files, decode + align + backbone on this rank's
+(`plsc.apps.ijb.evaluate_ijb`: meta files, decode + align + backbone on this rank's
 share, gather, scores, result files), then the Dataset alone over the rank's share
 (read, decode, align: one process, no workers), then the backbone alone (normalise,
 image + mirror) on pre-made batches of the same count. Without a checkpoint or
@@ -35,12 +35,11 @@ def benchmark(cfg, root, repeats):
 
     from plsc import distributed as pd
     from plsc.data import FaceTransform, IJBFaceDataset, read_ijb_meta
-    from plsc.engine.builders import build_backbone, select_device
-    from plsc.engine.checkpoint import find_checkpoint
-    from plsc.engine.ijb import evaluate_ijb
+    from plsc.runtime import build_backbone, start
+    from plsc.checkpoint import find_checkpoint
+    from plsc.apps.ijb import evaluate_ijb
 
-    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
-    pd.init()
+    start(cfg)
     rank, world = pd.get_rank(), pd.get_world_size()
     g = cfg["Global"]
     if not g["pretrained"] and (not g["checkpoint"] or find_checkpoint(g["checkpoint"], g["output_dir"]) is None):
@@ -64,7 +63,7 @@ def benchmark(cfg, root, repeats):
     faces = [ds[i][0] for i in range(len(ds))]
     data_s = time.perf_counter() - t0
 
-    from plsc.engine.tasks import trained_backbone
+    from plsc.apps.tasks import trained_backbone
     model = trained_backbone(cfg)
     transform, bs = FaceTransform(size, train=False, output="uint8"), cfg["Eval"]["batch_size"]
     batches = [paddle.to_tensor(np.stack(faces[i:i + bs])) for i in range(0, len(faces), bs)]

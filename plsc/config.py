@@ -1,18 +1,20 @@
 """The configuration schema, YAML loading, `-o Section.key=value` overrides and validation.
 
 A config is a mapping of sections to keys. Every key is declared in `SCHEMA`
-with its type and default; a YAML file only states what differs. Unknown
-keys, wrong types and missing required values raise `ConfigError` naming the
-key (and the closest valid key for a misspelling).
+with its type, default and rule (choices, range); a YAML file only states what
+differs. Unknown keys, wrong types, values outside a key's rule and missing
+required values raise `ConfigError` naming the key (and the closest valid key
+for a misspelling). `check_key` checks one value, as `Entry`'s setters do.
 """
 import copy
 import difflib
+import numbers
 import os
 
 import yaml
 
 __all__ = ["ConfigError", "SCHEMA", "load_config", "parse_override", "apply_overrides",
-           "validate", "default_config", "dump_config"]
+           "validate", "check_key", "default_config", "dump_config"]
 
 
 class ConfigError(ValueError):
@@ -20,14 +22,104 @@ class ConfigError(ValueError):
 
 
 REQUIRED = object()
+_NOUNS = {int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
+
+
+def _typed(value, types):
+    """`value` if of one of `types` (numbers.Integral for int, Real for float; numpy numbers
+    made Python ones, bool never a number), else None."""
+    abcs = tuple({int: numbers.Integral, float: numbers.Real}.get(t, t) for t in types)
+    if isinstance(value, bool) or not isinstance(value, abcs):
+        return None
+    if isinstance(value, numbers.Number) and type(value) not in (int, float):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
 
 
 class Key:
-    """One setting: accepted type(s), default, optional choices, one-line help."""
+    """One setting: accepted type(s), default, one-line help and the rule its value meets:
+    `choices`, `nullable`, a range (`low`: >=, `above`: >, `high`: <=), `nonempty` (a
+    string), a list's `item` type (the range then applies to each item) and `length`;
+    `unless`: a key of the same section whose being set waives the range."""
 
-    def __init__(self, types, default, help, choices=None, nullable=False):
+    def __init__(self, types, default, help, choices=None, nullable=False, low=None, above=None,
+                 high=None, nonempty=False, item=None, length=None, unless=None):
         self.types = types if isinstance(types, tuple) else (types,)
         self.default, self.help, self.choices, self.nullable = default, help, choices, nullable
+        self.low, self.above, self.high, self.nonempty = low, above, high, nonempty
+        self.item, self.length, self.unless = item, length, unless
+
+    def range_text(self):
+        """The range as a config states it: '>= 1', '> 0', 'in (0, 1]' ('' for none)."""
+        if self.high is not None:
+            return (f"in ({self.above}, {self.high}]" if self.above is not None
+                    else f"in [{self.low}, {self.high}]")
+        if self.above is not None:
+            return f"> {self.above}"
+        return f">= {self.low}" if self.low is not None else ""
+
+    def describe(self):
+        """The whole rule in words: 'a positive integer', 'in (0, 1]', 'one of a, b'."""
+        if bool in self.types:
+            return "True or False"
+        if self.choices is not None:
+            return f"one of {', '.join(self.choices)}"
+        if self.item is not None:
+            size = f"{self.length} " if self.length else ""
+            return f"a list of {size}{self._noun(self.item, 's')}"
+        noun = self._noun(float if float in self.types else self.types[0], "")
+        return noun if noun.startswith("in ") else ("an " if noun[0] in "aeiou" else "a ") + noun
+
+    def _noun(self, t, s):
+        if self.high is not None:  # an interval: 'in (0, 1]', 'numbers in (0, 1]'
+            return f"{_NOUNS[t]}{s} {self.range_text()}" if s else self.range_text()
+        if self.above == 0 or (self.low == 1 and t is int) or (self.nonempty and t is str):
+            return f"{'non-empty' if t is str else 'positive'} {_NOUNS[t]}{s}"
+        return f"{_NOUNS[t]}{s} {self.range_text()}".rstrip()
+
+    def _allowed(self, value):
+        if isinstance(value, str):
+            return not (self.nonempty and value == "")
+        low, above, high = self.low, self.above, self.high
+        return ((low is None or value >= low) and (above is None or value > above)
+                and (high is None or value <= high))
+
+    def check(self, value, where, plain=False, section=None):
+        """`value` checked and returned (numpy numbers as Python ones); a ConfigError names
+        `where`. `plain`: the rule in Python's words (`describe`, None, True) instead of a
+        config's; `section`: the values of the key's section, for `unless`."""
+        null = (" or None" if plain else " or null") if self.nullable else ""
+        rule = self.describe() + null
+        if value is None:
+            if self.nullable:
+                return None
+            raise ConfigError(f"{where} must be {rule}, got None" if plain else
+                              f"{where} must not be null ({self.help})")
+        if bool in self.types:
+            if not isinstance(value, bool):
+                rule = rule if plain else "true or false"
+                raise ConfigError(f"{where} must be {rule}, got {value!r}")
+            return value
+        typed = _typed(value, self.types)
+        if typed is None:
+            if plain:
+                raise ConfigError(f"{where} must be {rule}, got {value!r}")
+            names = " or ".join("number" if t is float else t.__name__ for t in self.types
+                                if not (t is int and float in self.types))
+            raise ConfigError(f"{where} must be {names}, got {value!r} ({type(value).__name__})")
+        if self.choices is not None and typed not in self.choices:
+            raise ConfigError(f"{where} must be {rule}, got {value!r}")
+        if self.item is not None:
+            items = [_typed(v, (self.item,)) for v in typed]
+            if (None in items or not all(self._allowed(v) for v in items)
+                    or self.length not in (None, len(items))):
+                raise ConfigError(f"{where} must be {rule}, got {value!r}")
+            return items
+        waived = self.unless is not None and (section or {}).get(self.unless) is not None
+        if not (self._allowed(typed) or waived):
+            text = rule if plain or not self.range_text() else self.range_text() + null
+            raise ConfigError(f"{where} must be {text}, got {value!r}")
+        return typed
 
 
 def _k(types, default, help, **kw):
@@ -38,44 +130,48 @@ NUM = (int, float)
 SCHEMA = {
     "Global": {
         "seed": _k(int, 0, "seed of initialisation, data order and sampling"),
-        "output_dir": _k(str, "./output", "checkpoints, logs, VisualDL and exports go here"),
+        "output_dir": _k(str, "./output", "checkpoints, logs, VisualDL and exports go here",
+                         nonempty=True),
         "device": _k(str, "auto", "auto (GPU when present), cpu or gpu", choices=("auto", "cpu", "gpu")),
-        "epochs": _k(int, 20, "training epochs (ignored when max_steps is set)"),
-        "max_steps": _k(int, None, "stop after this many optimizer steps", nullable=True),
-        "log_interval": _k(int, 20, "steps between log lines"),
+        "epochs": _k(int, 20, "training epochs (ignored when max_steps is set)", low=1,
+                     unless="max_steps"),
+        "max_steps": _k(int, None, "stop after this many optimizer steps", nullable=True, low=1),
+        "log_interval": _k(int, 20, "steps between log lines", low=1),
         "checkpoint": _k(str, None, "checkpoint to resume from: a folder, 'latest' (the newest "
                          "in output_dir) or 'auto' (the newest if any, else start fresh)",
                          nullable=True),
         "pretrained": _k(str, None, "backbone weights (.pdparams) to start from", nullable=True),
         "cpu_threads": _k(int, None, "CPU threads per rank; null: the rank's usable cores divided "
                           "by the ranks on its node (an OMP_NUM_THREADS above 1 is kept)",
-                          nullable=True),
+                          nullable=True, low=1),
     },
     "Model": {
         "name": _k(str, "IResNet50", "backbone name in plsc.models"),
-        "embedding_size": _k(int, 512, "embedding width"),
+        "embedding_size": _k(int, 512, "embedding width", low=1),
         "dropout": _k(NUM, 0.0, "dropout before the embedding layer"),
     },
     "Loss": {
         "margin": _k(str, "arcface", "arcface, cosface, sphereface, combined, adaface or softmax",
                      choices=("arcface", "cosface", "sphereface", "combined", "adaface", "softmax")),
-        "scale": _k(NUM, 64.0, "logit scale s"),
+        "scale": _k(NUM, 64.0, "logit scale s", above=0),
         "m1": _k(NUM, 1.0, "multiplicative angular margin (combined, sphereface)"),
         "m2": _k(NUM, 0.5, "additive angular margin (combined, arcface)"),
         "m3": _k(NUM, 0.0, "additive cosine margin (combined, cosface)"),
         "straight_through": _k(bool, False, "insightface's margin gradient instead of the exact one"),
         "adaface_m": _k(NUM, 0.4, "AdaFace margin m"),
         "adaface_h": _k(NUM, 0.333, "AdaFace h: how far the feature norm moves the margin"),
-        "adaface_t_alpha": _k(NUM, 0.01, "AdaFace momentum of the running norm statistics"),
+        "adaface_t_alpha": _k(NUM, 0.01, "AdaFace momentum of the running norm statistics",
+                              low=0, high=1),
         "sub_centers": _k(int, 1, "centres per class (sub-center ArcFace; normalised margins); "
-                          "a class's cosine is the largest of its centres'"),
-        "num_classes": _k(int, REQUIRED, "number of identities"),
-        "sample_ratio": _k(NUM, 1.0, "Partial FC ratio of class centres per step, in (0, 1]"),
+                          "a class's cosine is the largest of its centres'", low=1),
+        "num_classes": _k(int, REQUIRED, "number of identities", low=1),
+        "sample_ratio": _k(NUM, 1.0, "Partial FC ratio of class centres per step", above=0,
+                            high=1),
         "chunk_size": _k(int, None, "classes per block of the logit-free head; null: automatic "
                          "(dense while the logits fit in logits_budget_mb); 0: always dense",
-                         nullable=True),
+                         nullable=True, low=0),
         "logits_budget_mb": _k(NUM, 2048, "memory the head's logits may take per rank when "
-                               "chunk_size is automatic"),
+                               "chunk_size is automatic", above=0),
         "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16 or "
                           "float16 (GEMMs and softmax statistics stay float32)",
                           choices=("float32", "bfloat16", "float16")),
@@ -83,25 +179,27 @@ SCHEMA = {
     "Data": {
         "dataset": _k(str, "recordio", "recordio (train.rec/.idx), folder, list or synthetic",
                       choices=("recordio", "folder", "list", "synthetic")),
-        "root": _k(str, REQUIRED, "dataset directory (or list file for 'list')"),
-        "image_size": _k(list, [112, 112], "[height, width] fed to the backbone"),
-        "batch_size": _k(int, 128, "per-rank batch size"),
-        "num_workers": _k(int, 2, "data loading worker processes per rank (0: the rank itself)"),
+        "root": _k(str, REQUIRED, "dataset directory (or list file for 'list')", nonempty=True),
+        "image_size": _k(list, [112, 112], "[height, width] fed to the backbone", item=int,
+                          low=1, length=2),
+        "batch_size": _k(int, 128, "per-rank batch size", low=1),
+        "num_workers": _k(int, 2, "data loading worker processes per rank (0: the rank itself)",
+                           low=0),
         "skip_bad": _k(int, 0, "bad samples (undecodable image, corrupt record) a rank may skip "
-                       "per epoch, each replaced by the next good one; 0: stop at the first"),
+                       "per epoch, each replaced by the next good one; 0: stop at the first", low=0),
         "random_flip": _k(bool, True, "random horizontal flip in training"),
         "synthetic": _k(dict, {}, "arguments of plsc.data generate_synthetic (dataset: synthetic)"),
     },
     "Optimizer": {
         "name": _k(str, "sgd", "sgd (with momentum) or adamw", choices=("sgd", "adamw")),
-        "lr": _k(NUM, 0.1, "learning rate for a global batch of base_batch_size"),
+        "lr": _k(NUM, 0.1, "learning rate for a global batch of base_batch_size", above=0),
         "base_batch_size": _k(int, None, "lr scales linearly to the real global batch; null: no "
                               "scaling", nullable=True),
         "momentum": _k(NUM, 0.9, "SGD momentum"),
         "weight_decay": _k(NUM, 5e-4, "weight decay (L2 for sgd, decoupled for adamw)"),
         "betas": _k(list, [0.9, 0.999], "AdamW betas"),
         "grad_clip": _k(NUM, None, "global-norm clip of the backbone gradients", nullable=True),
-        "accumulate_steps": _k(int, 1, "micro-batches per optimizer step"),
+        "accumulate_steps": _k(int, 1, "micro-batches per optimizer step", low=1),
         "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
                                "the class centres (Loss.param_dtype)", nullable=True,
                                choices=("float32", "bfloat16", "float16")),
@@ -114,13 +212,14 @@ SCHEMA = {
     },
     "LRScheduler": {
         "name": _k(str, "poly", "poly, piecewise or cosine", choices=("poly", "piecewise", "cosine")),
-        "warmup_epochs": _k(NUM, 0, "linear warmup length in epochs"),
+        "warmup_epochs": _k(NUM, 0, "linear warmup length in epochs", low=0),
         "warmup_steps": _k(int, None, "linear warmup length in steps (overrides epochs)",
                            nullable=True),
         "power": _k(NUM, 2.0, "poly: decay power"),
         "end_lr": _k(NUM, 0.0, "poly/cosine: final learning rate"),
-        "boundaries": _k(list, [], "piecewise: epochs at which lr is multiplied by gamma"),
-        "gamma": _k(NUM, 0.1, "piecewise: factor at each boundary"),
+        "boundaries": _k(list, [], "piecewise: epochs at which lr is multiplied by gamma",
+                          item=int, low=1),
+        "gamma": _k(NUM, 0.1, "piecewise: factor at each boundary", above=0),
     },
     "AMP": {
         "enable": _k(bool, False, "mixed precision (GPU)"),
@@ -131,14 +230,15 @@ SCHEMA = {
     "Eval": {
         "root": _k(str, None, "directory holding the verification packs (<target>.bin)",
                    nullable=True),
-        "targets": _k(list, [], "verification packs, e.g. [lfw, cfp_fp, agedb_30]"),
-        "interval": _k(int, 2000, "steps between evaluations (and at the end)"),
-        "batch_size": _k(int, 128, "per-rank batch size of embedding extraction"),
+        "targets": _k(list, [], "verification packs, e.g. [lfw, cfp_fp, agedb_30]", item=str,
+                       nonempty=True),
+        "interval": _k(int, 2000, "steps between evaluations (and at the end)", low=1),
+        "batch_size": _k(int, 128, "per-rank batch size of embedding extraction", low=1),
         "before_training": _k(bool, False, "also evaluate the untrained model (step 0)"),
     },
     "Checkpoint": {
-        "interval": _k(int, 2000, "steps between checkpoints (and at the end)"),
-        "keep_last": _k(int, 3, "checkpoints kept (older ones are deleted)"),
+        "interval": _k(int, 2000, "steps between checkpoints (and at the end)", low=1),
+        "keep_last": _k(int, 3, "checkpoints kept (older ones are deleted)", low=1),
         "verify": _k(str, "full", "check a checkpoint against its manifest before resuming: "
                      "full (sizes and checksums), size or none", choices=("full", "size", "none")),
     },
@@ -160,22 +260,16 @@ def _suggest(name, options):
     return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
 
 
-def _check_value(where, key, value):
-    if value is None:
-        if key.nullable:
-            return None
-        raise ConfigError(f"{where} must not be null ({key.help})")
-    if bool in key.types:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, got {value!r}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, key.types):
-        names = " or ".join("number" if t is float else t.__name__ for t in key.types
-                            if not (t is int and float in key.types))
-        raise ConfigError(f"{where} must be {names}, got {value!r} ({type(value).__name__})")
-    if key.choices is not None and value not in key.choices:
-        raise ConfigError(f"{where} must be one of {', '.join(key.choices)}, got {value!r}")
-    return value
+def check_key(section, key, value, name=None):
+    """`value` checked against the rule of `section.key` and returned (numpy numbers as
+    Python ones). The ConfigError names `name` in Python's words ('class_num must be a
+    positive integer') or, without one, the key as a config does ('Loss.num_classes must
+    be >= 1')."""
+    if section not in SCHEMA:
+        raise ConfigError(f"unknown section '{section}'{_suggest(str(section), SCHEMA)}")
+    if key not in SCHEMA[section]:
+        raise ConfigError(f"unknown key '{section}.{key}'{_suggest(str(key), SCHEMA[section])}")
+    return SCHEMA[section][key].check(value, name or f"{section}.{key}", plain=name is not None)
 
 
 def validate(raw, source="config"):
@@ -183,7 +277,7 @@ def validate(raw, source="config"):
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, got "
                           f"{type(raw).__name__}")
-    cfg = default_config()
+    cfg, given = default_config(), []
     for sec, values in raw.items():
         if sec not in SCHEMA:
             raise ConfigError(f"{source}: unknown section '{sec}'{_suggest(str(sec), SCHEMA)}")
@@ -195,50 +289,25 @@ def validate(raw, source="config"):
             if key not in SCHEMA[sec]:
                 raise ConfigError(f"{source}: unknown key '{sec}.{key}'"
                                   f"{_suggest(str(key), SCHEMA[sec])}")
-            cfg[sec][key] = _check_value(f"{source}: {sec}.{key}", SCHEMA[sec][key], value)
+            cfg[sec][key] = value
+            given.append((sec, key))
+    for sec, key in given:  # once the sections are complete, for Key.unless
+        cfg[sec][key] = SCHEMA[sec][key].check(cfg[sec][key], f"{source}: {sec}.{key}",
+                                               section=cfg[sec])
     for sec, keys in SCHEMA.items():
         for key, spec in keys.items():
             if spec.default is REQUIRED and key not in cfg[sec]:
                 raise ConfigError(f"{source}: {sec}.{key} is required ({spec.help})")
-    _check_ranges(cfg, source)
+    _check_combinations(cfg, source)
     return cfg
 
 
-def _check_ranges(cfg, source):
-    def need(cond, what):
-        if not cond:
-            raise ConfigError(f"{source}: {what}")
-
-    g, loss, data, opt = cfg["Global"], cfg["Loss"], cfg["Data"], cfg["Optimizer"]
-    need(loss["num_classes"] >= 1, f"Loss.num_classes must be >= 1, got {loss['num_classes']}")
-    need(0.0 < loss["sample_ratio"] <= 1.0,
-         f"Loss.sample_ratio must be in (0, 1], got {loss['sample_ratio']}")
-    need(loss["scale"] > 0, f"Loss.scale must be > 0, got {loss['scale']}")
-    need(loss["sub_centers"] >= 1, f"Loss.sub_centers must be >= 1, got {loss['sub_centers']}")
-    need(loss["sub_centers"] == 1 or loss["margin"] != "softmax",
-         f"Loss.sub_centers={loss['sub_centers']} needs a normalised margin (arcface, cosface, "
-         "sphereface, combined or adaface), not softmax")
-    need(0.0 <= loss["adaface_t_alpha"] <= 1.0,
-         f"Loss.adaface_t_alpha must be in [0, 1], got {loss['adaface_t_alpha']}")
-    need(loss["chunk_size"] is None or loss["chunk_size"] >= 0,
-         f"Loss.chunk_size must be null, 0 or positive, got {loss['chunk_size']}")
-    need(loss["logits_budget_mb"] > 0, f"Loss.logits_budget_mb must be > 0, got {loss['logits_budget_mb']}")
-    need(data["batch_size"] >= 1, f"Data.batch_size must be >= 1, got {data['batch_size']}")
-    need(g["cpu_threads"] is None or g["cpu_threads"] >= 1,
-         f"Global.cpu_threads must be >= 1 or null, got {g['cpu_threads']}")
-    for key in ("num_workers", "skip_bad"):
-        need(data[key] >= 0, f"Data.{key} must be >= 0, got {data[key]}")
-    need(len(data["image_size"]) == 2 and all(isinstance(v, int) and v > 0 for v in data["image_size"]),
-         f"Data.image_size must be [height, width] of positive ints, got {data['image_size']}")
-    need(g["epochs"] >= 1 or g["max_steps"], f"Global.epochs must be >= 1, got {g['epochs']}")
-    need(g["max_steps"] is None or g["max_steps"] >= 1,
-         f"Global.max_steps must be >= 1 or null, got {g['max_steps']}")
-    need(opt["lr"] > 0, f"Optimizer.lr must be > 0, got {opt['lr']}")
-    need(opt["accumulate_steps"] >= 1,
-         f"Optimizer.accumulate_steps must be >= 1, got {opt['accumulate_steps']}")
-    for sec, key in (("Global", "log_interval"), ("Eval", "interval"), ("Checkpoint", "interval"),
-                     ("Checkpoint", "keep_last")):
-        need(cfg[sec][key] >= 1, f"{sec}.{key} must be >= 1, got {cfg[sec][key]}")
+def _check_combinations(cfg, source):
+    """The rules that relate keys (each key's own rule is in its `Key`)."""
+    loss = cfg["Loss"]
+    if loss["sub_centers"] > 1 and loss["margin"] == "softmax":
+        raise ConfigError(f"{source}: Loss.sub_centers={loss['sub_centers']} needs a normalised "
+                          "margin (arcface, cosface, sphereface, combined or adaface), not softmax")
 
 
 def parse_override(text):

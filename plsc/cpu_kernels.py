@@ -1,7 +1,8 @@
 """numpy kernels on Paddle's own CPU tensors, where Paddle 3.3's CPU kernels are slow.
 
 A float32 CPU tensor is viewed as a numpy array through DLPack (no copy) and the work is split
-by whole rows over the rank's kernel threads (`plsc.runtime.kernel_threads`; numpy releases
+by whole rows over the rank's kernel threads (`set_threads`, called by
+`plsc.runtime.set_cpu_threads`; numpy releases
 the GIL in its loops). A row is always computed whole by one call, so results do not depend on
 the thread count or on how the rows were sliced. The functions ending in `_` work in place and
 need a contiguous tensor. Every other tensor (other devices, other dtypes, strided views) goes
@@ -21,14 +22,24 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 
-from . import runtime
-
-__all__ = ["applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
+__all__ = ["set_threads", "threads", "applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows"]
 
 _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
 
 _pools = {}
+_threads = 1  # threads of these kernels (Paddle's own default is 1)
+
+
+def set_threads(n):
+    """Run the kernels on `n` threads (`plsc.runtime.set_cpu_threads` gives them Paddle's)."""
+    global _threads
+    _threads = max(1, int(n))
+
+
+def threads():
+    """Threads the kernels run on."""
+    return _threads
 
 
 def applies(*tensors, dtypes=(paddle.float32,)):
@@ -47,18 +58,18 @@ def run_rows(fn, rows, step):
     """fn(lo, hi) over [0, rows) in slabs of `step` rows, the slabs dealt round-robin to the
     kernel threads."""
     slabs = [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
-    threads = max(1, min(runtime.kernel_threads(), len(slabs)))
+    workers = max(1, min(_threads, len(slabs)))
 
     def part(k):
-        for lo, hi in slabs[k::threads]:
+        for lo, hi in slabs[k::workers]:
             fn(lo, hi)
-    if threads == 1:
+    if workers == 1:
         part(0)
         return
-    pool = _pools.get(threads)
+    pool = _pools.get(workers)
     if pool is None:
-        pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="plsc-cpu")
-    list(pool.map(part, range(threads)))
+        pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix="plsc-cpu")
+    list(pool.map(part, range(workers)))
 
 
 _VS_EXP = []  # [MKL's vsExp, or None], looked up at the first use

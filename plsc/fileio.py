@@ -2,7 +2,9 @@
 into place, with its size and checksum computed while the bytes stream through.
 
 A reader therefore sees the old file or the whole new one, never a part, and a crash leaves
-at most a `<name>.<pid>.part` file (`is_temporary`) that the next run removes.
+at most a `<name>.<pid>.part` file (`is_temporary`) that the next run removes. A folder is
+written the same way: under `<name>.tmp` (`temp_folder`), then renamed into place
+(`commit_folder`). This module is the only one in plsc that renames files.
 
 The checksum is CRC-32 (`zlib.crc32`): it streams at several GB/s, far faster than the disk,
 and catches the damage checkpoints meet (cut files, flipped bits, zeroed pages). It is no
@@ -15,9 +17,12 @@ import zlib
 from typing import NamedTuple
 
 __all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
-           "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "TEMP_SUFFIX"]
+           "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "temp_folder",
+           "commit_folder", "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX"]
 
 TEMP_SUFFIX = ".part"
+FOLDER_SUFFIX = ".tmp"  # a folder being written
+OLD_SUFFIX = ".old"  # a folder being replaced
 _CHUNK = 8 << 20  # bytes read at a time when checksumming a file
 
 
@@ -192,3 +197,28 @@ def free_bytes(path):
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return shutil.disk_usage(path).free
+
+
+def temp_folder(path):
+    """A fresh, empty `<path>.tmp` to write folder `path` in (a leftover one is removed)."""
+    tmp = os.fspath(path).rstrip("/") + FOLDER_SUFFIX
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit_folder(tmp, path):
+    """Rename the finished folder `tmp` to `path`. A folder already at `path` is first renamed
+    to `<path>.old` and deleted after, so a crash leaves the old or the new folder whole (and
+    at most a `.old` leftover)."""
+    path = os.fspath(path).rstrip("/")
+    old = path + OLD_SUFFIX
+    if os.path.exists(path):
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+    shutil.rmtree(old, ignore_errors=True)
+    return path

@@ -13,11 +13,12 @@ import paddle
 
 from .cpu_kernels import take_rows
 
-__all__ = ["STORAGE_DTYPES", "UPCAST_SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
+__all__ = ["STORAGE_DTYPES", "SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
            "gather_rows", "sqrt_exact"]
 
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
-UPCAST_SLAB_BYTES = 32 << 20  # float32 bytes of 16-bit rows upcast at a time, where not per block
+SLAB_BYTES = 32 << 20  # bytes a slab-wise pass handles at a time: 16-bit rows upcast to float32
+# (where not per block), head rows streamed to or from a checkpoint, centres read by cleaning
 
 
 def dtype_name(dtype):

@@ -1,4 +1,8 @@
-"""How plsc uses the CPU: the BLAS code path and the threads of each rank.
+"""What training (`plsc.train`) and the applications (`plsc.apps`) share: the device and
+process group a run starts with (`start`), how plsc uses the CPU (BLAS code path, threads,
+malloc), the backbone and the data set a config names (`build_backbone`, `open_dataset`), and
+when a progress bar is drawn (`show_progress`, `progress`). Importing this module does not
+import Paddle (`import plsc` runs `blas_dispatch` before Paddle loads MKL).
 
 **BLAS dispatch.** Paddle's bundled MKL picks a generic code path on processors that are not
 Intel's; with ``MKL_DEBUG_CPU_TYPE=5`` it takes its AVX2 kernels (measured on an AMD EPYC: a
@@ -20,12 +24,13 @@ import sys
 import warnings
 
 __all__ = ["blas_dispatch", "BLAS_NOTE", "THREADS_NOTE", "cpu_description", "usable_cores",
-           "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE"]
+           "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE",
+           "select_device", "start", "build_backbone", "open_dataset", "DATA_HELP",
+           "show_progress", "progress"]
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
 THREADS_NOTE = None  # what set_cpu_threads did, likewise
 MALLOC_NOTE = None  # what keep_freed_memory did, likewise
-_KERNEL_THREADS = 1  # threads plsc's own CPU kernels use (set_cpu_threads; Paddle's default is 1)
 
 
 def _cpu_info():
@@ -130,19 +135,21 @@ def cpu_threads(requested=None, environ=os.environ):
 
 
 def kernel_threads():
-    """Threads for plsc's own CPU kernels (e.g. `plsc.models.prelu`): those `set_cpu_threads`
-    gave Paddle, 1 before it is called (Paddle's own default)."""
-    return _KERNEL_THREADS
+    """Threads of plsc's own CPU kernels (`plsc.cpu_kernels`, e.g. `plsc.models.prelu`'s):
+    those `set_cpu_threads` gave Paddle, 1 before it is called (Paddle's own default)."""
+    from . import cpu_kernels
+    return cpu_kernels.threads()
 
 
 def set_cpu_threads(requested=None):
-    """Apply `cpu_threads` to Paddle's CPU kernels; returns (and keeps in `THREADS_NOTE`) a
-    line for the log."""
-    global THREADS_NOTE, _KERNEL_THREADS
+    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own; returns (and keeps in
+    `THREADS_NOTE`) a line for the log."""
+    global THREADS_NOTE
     from paddle.base import core
+    from . import cpu_kernels
     threads, why = cpu_threads(requested)
     core.set_num_threads(threads)
-    _KERNEL_THREADS = threads
+    cpu_kernels.set_threads(threads)
     THREADS_NOTE = f"CPU threads per rank: {threads} ({why})"
     return THREADS_NOTE
 
@@ -172,3 +179,97 @@ def keep_freed_memory(environ=os.environ):
     MALLOC_NOTE = ("malloc: freed blocks up to 1 GiB kept for reuse (PLSC_MALLOC=keep turns "
                    "this off)" if ok else "malloc: glibc refused mallopt; left as it is")
     return MALLOC_NOTE
+
+
+def select_device(name, cpu_threads=None):
+    """'auto' picks the GPU when Paddle has one, else the CPU. The threads of the CPU kernels
+    follow `cpu_threads` (`cpu_threads`: Global.cpu_threads); on the CPU, malloc keeps freed
+    memory for reuse (`keep_freed_memory`)."""
+    import paddle
+    from .config import ConfigError
+    has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if name == "gpu" and not has_gpu:
+        raise ConfigError("Global.device is gpu but this Paddle build sees no GPU")
+    if name == "gpu" or (name == "auto" and has_gpu):
+        paddle.set_device(f"gpu:{int(os.environ.get('FLAGS_selected_gpus', '0').split(',')[0])}")
+    else:
+        paddle.set_device("cpu")
+        keep_freed_memory()
+    set_cpu_threads(cpu_threads)
+    return paddle.get_device()
+
+
+def start(cfg):
+    """The preamble of every run of a config: its device (Global.device, Global.cpu_threads)
+    and the process group of the launched ranks (one process: none). Returns the device."""
+    from . import distributed
+    device = select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
+    distributed.init()
+    return device
+
+
+def build_backbone(cfg):
+    """The backbone of `cfg['Model']` for `cfg['Data']['image_size']` images."""
+    from .models import build_model
+    m = cfg["Model"]
+    return build_model(m["name"], embedding_size=m["embedding_size"],
+                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"])
+
+
+DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "
+             "or try `configs/demo.yaml`, which generates synthetic identities")
+_SOURCES = ("recordio", "folder", "list")
+
+
+def _source_kind(root):
+    """recordio, folder or list: what `root` is (a folder with train.idx, a folder, a file)."""
+    if os.path.isdir(root):
+        return "recordio" if os.path.isfile(os.path.join(root, "train.idx")) else "folder"
+    if os.path.isfile(root):
+        return "list"
+    raise FileNotFoundError(f"{root} is neither a RecordIO folder, an image folder nor a list file")
+
+
+def open_dataset(kind, root, image_size, train, what="Data.root", **options):
+    """(dataset, kind) for the images at `root`: `kind` is Data.dataset (recordio, folder,
+    list; synthetic, once generated, is read as recordio) or "auto" (from what `root` is).
+    `train`: with the training transform (else the image alone, in order); `options` go to
+    the dataset (num_classes, skip_bad). A missing `root` or RecordIO file is a ConfigError
+    naming `what`."""
+    from . import data
+    from .config import ConfigError
+    kind = _source_kind(root) if kind == "auto" else ("recordio" if kind == "synthetic" else kind)
+    if kind not in _SOURCES:
+        raise ConfigError(f"Data.dataset must be one of {_SOURCES + ('synthetic',)}, got {kind!r}")
+    if not os.path.exists(root):
+        raise ConfigError(f"{what} {root} does not exist; {DATA_HELP}")
+    if kind == "recordio":
+        for name in ("train.rec", "train.idx"):
+            if not os.path.isfile(os.path.join(root, name)):
+                raise ConfigError(f"{what} {root} has no {name}; {DATA_HELP}")
+    cls = {"recordio": data.RecordIODataset, "folder": data.ImageFolderDataset,
+           "list": data.ImageListDataset}[kind]
+    return cls(root, image_size=tuple(image_size), train=train, **options), kind
+
+
+def show_progress(requested=None, setting=True, rank=0, stream=None):
+    """Whether this process draws a progress bar: on rank 0 only; `requested` (True/False)
+    when given, else `setting` (Logging.progress_bar) and `stream` (default stderr) being a
+    terminal."""
+    if rank != 0:
+        return False
+    if requested is not None:
+        return bool(requested)
+    return bool(setting) and (stream or sys.stderr).isatty()
+
+
+def progress(done, total, enabled, label=""):
+    """Draw `done`/`total` as a one-line bar on stderr (ending the line when done >= total);
+    nothing unless `enabled`."""
+    if enabled:
+        width = 30
+        fill = width * done // max(total, 1)
+        sys.stderr.write(f"\r{label}[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -10,8 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_common import config  # noqa: E402
 
-import plsc.engine.checkpoint as checkpoint  # noqa: E402
-from plsc.engine import Trainer  # noqa: E402
+import plsc.checkpoint.manager as checkpoint  # noqa: E402
+from plsc.train import Trainer  # noqa: E402
 
 saves = {"n": 0}
 real_save_rows = checkpoint.write_rows_npy

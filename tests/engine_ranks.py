@@ -86,7 +86,7 @@ def run(mode, data, out, dtype, resumes):
     import paddle
     from engine_common import config, make_backbone
     from plsc.distributed import get_rank, get_world_size, init
-    from plsc.engine import Trainer
+    from plsc.train import Trainer
 
     paddle.set_device("cpu")
     init()

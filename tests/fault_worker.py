@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 
-import plsc.engine.checkpoint as checkpoint  # noqa: E402
+import plsc.checkpoint.manager as checkpoint  # noqa: E402
 import plsc.fileio as fileio  # noqa: E402
 
 

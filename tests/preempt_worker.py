@@ -16,7 +16,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from plsc.engine.trainer import Trainer  # noqa: E402
+from plsc.train.trainer import Trainer  # noqa: E402
 
 signal_rank, signal_step, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 signum = getattr(signal, "SIG" + os.environ.get("PREEMPT_SIGNAL", "TERM"))

@@ -8,8 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
-import plsc.engine.checkpoint as ckpt
-import plsc.engine.head_store as store
+import plsc.checkpoint as ckpt
+import plsc.checkpoint.head_arrays as store
 from plsc.distributed import ClassPartition
 
 C, D = 11, 6  # classes, embedding size
@@ -250,7 +250,7 @@ def _fake_trainer(weight_dtype, state_dtype, class_start, rows):
     classes from `class_start`, and a sparse Momentum keeping its state in `state_dtype`."""
     from types import SimpleNamespace
 
-    from plsc.engine.trainer import Trainer
+    from plsc.train.trainer import Trainer
     from plsc.optim import SparseMomentum
     weight = paddle.create_parameter([rows, D], weight_dtype,
                                      default_initializer=paddle.nn.initializer.Constant(0.0))

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from engine_common import CLASSES, IMAGE, config, make_data
-from plsc.engine import Trainer
-from plsc.engine.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
+from plsc.train import Trainer
+from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
                                     verify_checkpoint)
 from plsc.fileio import AtomicWriter
 
@@ -191,7 +191,7 @@ def test_checkpoint_without_manifest_gets_size_checks(tmp_path, data_root, prist
 
 
 def test_damaged_backbone_for_eval_and_reshard(tmp_path, data_root, pristine, capsys):
-    from plsc.engine.tasks import trained_backbone
+    from plsc.apps.tasks import trained_backbone
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import reshard
     out = copy_run(pristine, tmp_path)

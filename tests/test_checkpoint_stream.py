@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
-import plsc.engine.head_store as ckpt
+import plsc.checkpoint.head_arrays as ckpt
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -30,7 +30,7 @@ def test_unsupported_dtype_names_file_and_dtype(tmp_path):
 _PROBE = textwrap.dedent("""
     import json, sys
     import numpy as np, paddle
-    import plsc.engine.head_store as ckpt
+    import plsc.checkpoint.head_arrays as ckpt
     ckpt._SLAB_BYTES = 16 << 20
 
     def peak():
@@ -66,7 +66,7 @@ def test_save_needs_no_whole_host_copy(tmp_path):
 _PROBE_16 = textwrap.dedent("""
     import json, os, sys
     import numpy as np, paddle
-    import plsc.engine.head_store as ckpt
+    import plsc.checkpoint.head_arrays as ckpt
     ckpt._SLAB_BYTES = 4 << 20
 
     def peak(reset=False):

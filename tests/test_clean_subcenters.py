@@ -15,7 +15,7 @@ import pytest
 
 from plsc.config import dump_config, validate
 from plsc.data.synthetic import make_prototype, make_template, render_sample
-from plsc.engine import Trainer
+from plsc.train import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -204,7 +204,7 @@ def test_recordio_source_writes_keys_and_a_cleaned_rec(trained, tmp_path):
     """The same images packed as a RecordIO set: the same decisions, the kept records' keys
     and a cleaned rec with exactly the kept images and labels."""
     from plsc.data import RecordIODataset
-    from plsc.engine.cleaning import clean_subcenters
+    from plsc.apps.cleaning import clean_subcenters
     spec = importlib.util.spec_from_file_location("pack_rec", os.path.join(ROOT, "tools", "pack_rec.py"))
     pack_rec = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pack_rec)
@@ -245,7 +245,7 @@ def test_bad_arguments_are_named(trained, args, message, capsys):
 
 
 def test_k1_checkpoint_has_nothing_to_clean(trained, tmp_path, capsys):
-    from plsc.engine.cleaning import write_k1_checkpoint
+    from plsc.checkpoint import write_k1_checkpoint
     k1 = write_k1_checkpoint(trained["ckpt"], str(tmp_path / "k1"), np.zeros(CLASSES, np.int64))
     spec = importlib.util.spec_from_file_location("clean_tool", TOOL)
     module = importlib.util.module_from_spec(spec)
@@ -259,7 +259,7 @@ def test_bfloat16_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_pa
     """A bfloat16 K = 3 head trained a few steps with AdamW: the K = 1 checkpoint stores the
     dominant centres' bits as they were, in bfloat16, its AdamW state (moments and step counts)
     is zero in the shapes of a K = 1 head, and a K = 1 run resumes from it."""
-    from plsc.engine.cleaning import clean_subcenters
+    from plsc.apps.cleaning import clean_subcenters
     out = str(tmp_path / "run")
     cfg = run_config(trained["list"], out, Global={"max_steps": 3},
                      Loss={"param_dtype": "bfloat16"}, Optimizer={"name": "adamw", "lr": 1e-3})

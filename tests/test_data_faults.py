@@ -234,8 +234,8 @@ def test_skip_bad_resume_equals_uninterrupted(tmp_path, folder, stop_at, counted
 
     from plsc.config import load_config
     from plsc.data import DistributedBatchSampler
-    from plsc.engine import Trainer
-    from plsc.engine.preemption import Preempted
+    from plsc.train import Trainer
+    from plsc.train.preemption import Preempted
 
     # a copy where the bad sample is the one epoch 0 meets at step 2 (notes.jpg made good)
     root = tmp_path / "faces"

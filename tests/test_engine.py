@@ -10,8 +10,9 @@ import pytest
 
 from engine_common import GRAD_CLIP, config, make_data
 from plsc.config import ConfigError
-from plsc.engine import Trainer, find_checkpoint, read_meta
-from plsc.engine.amp import LossScaler
+from plsc.train import Trainer
+from plsc.checkpoint import find_checkpoint, read_meta
+from plsc.train.amp import LossScaler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -198,7 +198,7 @@ def test_demo_config_end_to_end_shortened(tmp_path_factory):
     # its share of the pack with its backbone) is what the saved weights give, here evaluated
     # on one rank by the function tools/eval.py runs.
     from plsc.config import load_config
-    from plsc.engine.tasks import evaluate
+    from plsc.apps.tasks import evaluate
     best = json.load(open(os.path.join(out, "run", "best_val", "best.json")))
     cfg = load_config(os.path.join(out, "run", "config.yaml"),
                       ["Global.checkpoint=null",

@@ -12,8 +12,8 @@ from paddle import nn
 
 from engine_common import CLASSES, IMAGE, config, make_backbone, make_data
 from plsc.config import ConfigError, load_config
-from plsc.engine import Trainer
-from plsc.engine.amp import LossScaler
+from plsc.train import Trainer
+from plsc.train.amp import LossScaler
 from plsc.entry import Entry
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from engine_common import CLASSES, config, make_backbone, make_data
 from plsc.config import ConfigError
-from plsc.engine import Trainer
-from plsc.engine.head_store import export_classifier, reshard_checkpoint
+from plsc.train import Trainer
+from plsc.checkpoint import export_classifier, reshard_checkpoint
 from plsc.entry import Entry
 from plsc.loss import AdaFace
 

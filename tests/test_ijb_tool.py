@@ -1,4 +1,4 @@
-"""tools/eval_ijb.py and plsc.engine.ijb on a small synthetic IJB layout: result files, the
+"""tools/eval_ijb.py and plsc.apps.ijb on a small synthetic IJB layout: result files, the
 features round trip, options, errors, two launched ranks against one process, and the
 training log's ROC image."""
 import importlib.util
@@ -16,8 +16,8 @@ from engine_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
 from plsc.data import DataError, FaceTransform, align_face
-from plsc.engine.builders import build_backbone
-from plsc.engine.ijb import evaluate_ijb
+from plsc.runtime import build_backbone
+from plsc.apps.ijb import evaluate_ijb
 from plsc.metrics import ijb_report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,7 +176,7 @@ def test_undecodable_image_in_one_ranks_share_stops_both(setup, tmp_path):
 
 def test_training_log_writes_the_roc_image(tmp_path):
     from visualdl import LogReader
-    from plsc.engine.logger import TrainLogger
+    from plsc.train.logger import TrainLogger
     log = TrainLogger(str(tmp_path), total_steps=10, interval=5, visualdl=True, progress_bar=False)
     report = {"accuracy": 0.9, "accuracy_std": 0.01, "threshold": 1.2, "embedding_norm": 10.0,
               "tar_at_far": {0.01: 0.8}, "far": np.array([0.0, 0.1, 1.0]), "tar": np.array([0.0, 0.7, 1.0])}
@@ -190,7 +190,7 @@ def test_training_log_writes_the_roc_image(tmp_path):
 def test_training_verification_logs_its_roc_image(tmp_path):
     from visualdl import LogReader
     from engine_common import make_data
-    from plsc.engine import Trainer
+    from plsc.train import Trainer
     data = make_data(str(tmp_path / "data"))
     cfg = config(data, str(tmp_path / "run"), Global={"max_steps": 2},
                  Eval={"root": data, "targets": ["val"], "interval": 2, "batch_size": 16},

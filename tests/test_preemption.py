@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from engine_common import CLASSES, IMAGE, config, make_data
-from plsc.engine import Trainer, find_checkpoint
-from plsc.engine.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from plsc.train import Trainer
+from plsc.checkpoint import find_checkpoint
+from plsc.train.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 8
@@ -43,7 +44,7 @@ def test_stop_signals_are_recorded_then_restored():
 
 _SECOND_SIGNAL = """
 import os, signal, sys, threading, time
-from plsc.engine.preemption import StopSignals
+from plsc.train.preemption import StopSignals
 first, second = (getattr(signal, 'SIG' + name) for name in sys.argv[1:3])
 gap = float(sys.argv[3])
 with StopSignals():
@@ -221,7 +222,7 @@ def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root
 
 
 def test_peer_failures_are_recognised():
-    from plsc.engine.preemption import peer_failure
+    from plsc.train.preemption import peer_failure
     reset = RuntimeError("[/paddle/third_party/gloo/gloo/transport/tcp/pair.cc:576] Read error "
                          "[127.0.0.1]:30631: Connection reset by peer")
     assert peer_failure(reset, 0, 2) == (1, "Read error [127.0.0.1]:30631: Connection reset by peer")
@@ -259,5 +260,5 @@ def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path, data_root):
     assert "Traceback" not in log0
     latest = find_checkpoint("latest", str(tmp_path / "out"))
     assert latest.endswith("step_00000002")
-    from plsc.engine.head_store import load_head_rows
+    from plsc.checkpoint import load_head_rows
     assert load_head_rows(latest, "weight", 0, CLASSES).shape[0] == CLASSES

@@ -12,7 +12,7 @@ import pytest
 from engine_common import config, make_data
 from oracles import rel_err
 from plsc.config import dump_config
-from plsc.engine import Trainer
+from plsc.train import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(HERE), "tools")
@@ -154,9 +154,9 @@ def test_entry_api(run, tmp_path):
     assert os.path.isfile(paths["paddle"] + ".pdiparams")
     images = [(np.random.RandomState(i).rand(16, 16, 3) * 255).astype(np.uint8) for i in range(3)]
     emb = ins.predict(images)
-    from plsc.engine.export import load_backbone_weights
-    from plsc.engine.builders import build_backbone
-    from plsc.engine.checkpoint import find_checkpoint
+    from plsc.apps.export import load_backbone_weights
+    from plsc.runtime import build_backbone
+    from plsc.checkpoint import find_checkpoint
     cfg = ins.get_config()
     ref = build_backbone(cfg)
     load_backbone_weights(ref, find_checkpoint("latest", cfg["Global"]["output_dir"]))

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_common import config  # noqa: E402
 
 from plsc.distributed import get_rank, get_world_size  # noqa: E402
-from plsc.engine import Trainer  # noqa: E402
+from plsc.train import Trainer  # noqa: E402
 
 data, out = sys.argv[1], sys.argv[2]
 trainer = Trainer(config(data, os.path.join(out, "run"), Global={"max_steps": 4}))

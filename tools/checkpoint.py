@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from plsc.cli import DATA_ERROR_EXIT_CODE
-from plsc.engine.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
+from plsc.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
 
 
 def main(argv=None):

@@ -13,7 +13,7 @@ dominant ones) to go on training with the cleaned set:
     python tools/train.py -c CONFIG -o Global.checkpoint=OUT/checkpoint_k1 -o Loss.sub_centers=1 \
         -o Data.dataset=list -o Data.root=OUT/train_clean.lst -o Global.max_steps=MORE
 
-See plsc/engine/cleaning.py for the details.
+See plsc/apps/cleaning.py for the details.
 """
 import sys
 
@@ -21,7 +21,7 @@ from plsc.cli import config_parser, run_tool
 
 
 def clean(cfg, checkpoint, threshold, out_dir, write_rec):
-    from plsc.engine.cleaning import clean_subcenters
+    from plsc.apps.cleaning import clean_subcenters
     summary = clean_subcenters(cfg, checkpoint, threshold, out_dir, write_rec=write_rec)
     if summary is None:  # not rank 0
         return 0

@@ -9,7 +9,7 @@ from plsc.cli import config_parser, run_tool
 
 
 def evaluate(cfg):
-    from plsc.engine.tasks import evaluate as evaluate_task
+    from plsc.apps.tasks import evaluate as evaluate_task
     evaluate_task(cfg)
 
 

@@ -11,7 +11,7 @@ from plsc.cli import config_parser, run_tool
 
 
 def evaluate(cfg, args):
-    from plsc.engine.ijb import evaluate_ijb
+    from plsc.apps.ijb import evaluate_ijb
     evaluate_ijb(cfg, args.root, args.target, features=args.features, save_features=args.save_features,
                  detector_score=not args.no_detector_score, normalize_images=args.normalize_images)
 

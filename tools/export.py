@@ -8,7 +8,7 @@ from plsc.cli import config_parser, run_tool
 
 
 def export(cfg, output, onnx):
-    from plsc.engine.tasks import export as export_task
+    from plsc.apps.tasks import export as export_task
     for kind, path in export_task(cfg, output, onnx).items():
         print(f"{kind}: {path}")
 

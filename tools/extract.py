@@ -8,7 +8,7 @@ from plsc.cli import config_parser, run_tool
 
 
 def extract(cfg, source, output, flip, batch_size):
-    from plsc.engine.tasks import extract as extract_task
+    from plsc.apps.tasks import extract as extract_task
     emb, labels = extract_task(cfg, source, output, flip, batch_size)
     print(f"wrote {emb} and {labels}")
 

@@ -16,7 +16,7 @@ rounded to nearest even).
 import argparse
 import sys
 
-from plsc.engine.checkpoint import (CheckpointDamaged, export_classifier,
+from plsc.checkpoint import (CheckpointDamaged, export_classifier,
                                     import_classifier, read_meta, reshard_checkpoint,
                                     verify_checkpoint)
 

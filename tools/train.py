@@ -15,9 +15,9 @@ from plsc.cli import config_parser, run_tool
 
 
 def train(cfg):
-    from plsc.engine import Trainer
-    from plsc.engine.checkpoint import IO_ERROR_EXIT_CODE, CheckpointSaveError
-    from plsc.engine.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
+    from plsc.train import Trainer
+    from plsc.checkpoint import IO_ERROR_EXIT_CODE, CheckpointSaveError
+    from plsc.train.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
     try:
         Trainer(cfg).train()
     except Preempted as err:

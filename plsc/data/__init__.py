@@ -8,7 +8,7 @@ protocols with five-point face alignment.
 """
 from .align import ARCFACE_POINTS, align_face, reference_points, similarity_transform
 from .datasets import ImageFolderDataset, ImageListDataset, RecordIODataset
-from .errors import DataError
+from .errors import DataError, PeerDataError
 from .facerec import image_keys, read_property, write_face_rec, write_property
 from .ijb import IJBFaceDataset, IJBMeta, check_ijb_images, ijb_paths, read_ijb_meta
 from .loader import DataLoader
@@ -19,7 +19,8 @@ from .transforms import FaceTransform, decode_image
 from .verification import load_verification_arrays, read_verification_bin, write_verification_bin
 
 __all__ = [
-    "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "DataError", "RecordIOReader",
+    "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "DataError", "PeerDataError",
+    "RecordIOReader",
     "RecordIOWriter", "read_property", "write_property", "image_keys", "write_face_rec",
     "DistributedBatchSampler", "generate_synthetic", "FaceTransform", "decode_image", "read_verification_bin",
     "write_verification_bin", "load_verification_arrays", "ARCFACE_POINTS", "reference_points",

@@ -10,7 +10,7 @@ import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
 __all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_", "broadcast_",
-           "sync_buffers", "all_gather", "reduce_scatter"]
+           "sync_buffers", "all_gather", "reduce_scatter", "failed_rank"]
 
 # Backends whose process group implements reduce_scatter (gloo does not).
 _REDUCE_SCATTER_BACKENDS = ("NCCL", "BKCL", "XCCL", "FLAGCX")
@@ -135,3 +135,14 @@ def reduce_scatter(x, group=None):
     if x.stop_gradient:
         return reduce_scatter_sum(x, group)
     return _ReduceScatter.apply(x, group)
+
+
+def failed_rank(failed, group=None):
+    """The highest rank of `group` whose `failed` is true, or -1: the same on every rank (one
+    all-reduce of one value). Ranks call it at the same points so that an error on one of them
+    stops all of them there instead of leaving the others waiting in a collective."""
+    rank, world = group_rank_size(group)
+    if world == 1:
+        return rank if failed else -1
+    flag = paddle.to_tensor([float(rank + 1 if failed else 0)], dtype="float32")
+    return int(all_reduce_(flag, "max", group).item()) - 1

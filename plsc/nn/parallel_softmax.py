@@ -37,6 +37,11 @@ so that no weight-gradient array exists (at most a 64 MiB block of it).
 The element-wise passes over the logits (column scaling, row max, exp, row sums) and the row
 dot products go through `plsc.cpu_kernels` (numpy on the tensors' memory on the CPU, Paddle's
 ops elsewhere).
+
+Code layout: the PyLayer is called with keywords, and its `ctx` holds one `_Step`, the call's
+state with named fields. The forward is a series of stages, gather → logits → max → sum →
+target → loss (`_gather` … `_loss`). The backward goes back through them: loss, then a block
+at a time sum and max → target → logits, then gather (`_loss_grad` … `_gather_grad`).
 """
 import paddle
 from paddle.autograd import PyLayer
@@ -45,7 +50,7 @@ from ..cpu_kernels import (copy_columns, exp_shifted_, remove_row_components_, r
                            scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
-from ..numerics import UPCAST_SLAB_BYTES, sqrt_exact, to_float32
+from ..numerics import SLAB_BYTES, sqrt_exact, to_float32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 
@@ -63,7 +68,7 @@ def _inv_row_norms(weight):
     """1/|W_j| of every row, float32; a 16-bit weight is upcast a slab of rows at a time."""
     if weight.dtype == paddle.float32:
         return 1.0 / _row_norm(weight)
-    step = max(1, UPCAST_SLAB_BYTES // (4 * weight.shape[1]))
+    step = max(1, SLAB_BYTES // (4 * weight.shape[1]))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
                           for i in range(0, weight.shape[0], step)])
 
@@ -105,34 +110,62 @@ def _blocks(local_target, num_classes, chunk_size, sub_centers):
             for s in range(0, num_classes, step)]
 
 
-def _lend(ctx, name, shape):
-    return ctx.workspace.lend(name, shape, ctx) if ctx.workspace is not None else None
+class _Step:
+    """The state of one call, from its forward to its backward (the PyLayer's `ctx` holds only
+    this). The options are given; the forward's stages fill in the rest, the backward reads it.
+
+    Options: `margin` (the gathered batch's after `_gather`), `group`, `chunk_size`,
+    `workspace`, `grad_into_weight`, `row_update`, `sub_centers`. The forward's: `n` (rows of
+    the batch), `weight`, `bias`, `blocks`, `need_x` and `need_w` (which inputs want a
+    gradient); the batch as the logits read it: `features` (plain logits) or `x_norm`, `x_hat`,
+    `x_scaled` = s·x̂ and `inv_w` = 1/|W| (cosines); `row_max`, `sum_exp` and, on the dense
+    path, `exp_logits` (the block's logits, then E = exp(logit − max)). While the backward
+    runs: `d_w` (the weight gradient's array), `sink` (where its rows go otherwise), `d_b`."""
+
+    __slots__ = ("margin", "group", "chunk_size", "workspace", "grad_into_weight", "row_update",
+                 "sub_centers", "n", "weight", "bias", "blocks", "need_x", "need_w", "features",
+                 "x_norm", "x_hat", "x_scaled", "inv_w", "row_max", "sum_exp", "exp_logits",
+                 "d_w", "sink", "d_b", "__weakref__")  # a weak reference: the workspace's owner
+
+    def __init__(self, margin, group, chunk_size, workspace, grad_into_weight, row_update,
+                 sub_centers):
+        self.margin, self.group, self.chunk_size = margin, group, chunk_size
+        self.workspace, self.sub_centers = workspace, sub_centers
+        self.grad_into_weight, self.row_update = grad_into_weight, row_update
+        self.n = self.weight = self.bias = self.blocks = self.need_x = self.need_w = None
+        self.features = self.x_norm = self.x_hat = self.x_scaled = self.inv_w = None
+        self.row_max = self.sum_exp = self.exp_logits = None
+        self.d_w = self.sink = self.d_b = None
 
 
-def _class_max(ctx, block, cos):
+def _lend(step, name, shape):
+    return step.workspace.lend(name, shape, step) if step.workspace is not None else None
+
+
+def _class_max(step, block, cos):
     """Sub-centres: each class's logit is the largest of its K centres' (`cos`: `[N, K·width]`,
     class-major); `block.pick` keeps which centre (the first of equal ones) for the backward.
     With one centre a class, `cos` itself."""
-    k = ctx.sub_centers
+    k = step.sub_centers
     if k == 1:
         return cos
-    per_class = cos.reshape([ctx.n, block.stop - block.start, k])
+    per_class = cos.reshape([step.n, block.stop - block.start, k])
     block.pick = paddle.argmax(per_class, axis=2, keepdim=True, dtype="int32")
     out = paddle.take_along_axis(per_class, block.pick, 2, broadcast=False).squeeze(2)
-    _give_back(ctx, block.centre_buffer)
+    _give_back(step, block.centre_buffer)
     return out
 
 
-def _to_centres(ctx, block, buf):
+def _to_centres(step, block, buf):
     """The gradient `buf` of the class logits as that of the centres' (`[N, K·width]`): each
     class's entry goes to the centre that won the max, zero to the others."""
-    if ctx.sub_centers == 1:
+    if step.sub_centers == 1:
         return buf
-    width, k = block.stop - block.start, ctx.sub_centers
-    out = _lend(ctx, block.centre_buffer, [ctx.n, width * k])
-    out = paddle.zeros([ctx.n, width * k], "float32") if out is None else out.zero_()
-    out.reshape([ctx.n, width, k]).put_along_axis_(block.pick.astype("int64"),
-                                                    buf.unsqueeze(2), 2, broadcast=False)
+    width, k = block.stop - block.start, step.sub_centers
+    out = _lend(step, block.centre_buffer, [step.n, width * k])
+    out = paddle.zeros([step.n, width * k], "float32") if out is None else out.zero_()
+    out.reshape([step.n, width, k]).put_along_axis_(block.pick.astype("int64"),
+                                                     buf.unsqueeze(2), 2, broadcast=False)
     block.pick = None
     return out
 
@@ -156,63 +189,188 @@ def _zero_clamped_(block, exp_logits):
         block.clamped = None
 
 
-def _block_logits(ctx, block, w, bias):
+def _block_logits(step, block, w, bias):
     """Logits of one block (`w`: its float32 weight rows; margin applied to its targets), written
     into the workspace's buffer for blocks of this width when it lends one; returns (logits,
     `[N]` target logits, meaningful for the rows whose target is inside the block)."""
-    margin = ctx.margin
+    margin = step.margin
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
-        name = block.buffer if ctx.sub_centers == 1 else block.centre_buffer
-        cos = paddle.matmul(ctx.x_scaled, w, transpose_y=True,
-                            out=_lend(ctx, name, [ctx.n, block.hi - block.lo]))
-        scale_columns_(cos, ctx.inv_w[block.lo:block.hi])
-        logits = _class_max(ctx, block, cos)
+        name = block.buffer if step.sub_centers == 1 else block.centre_buffer
+        cos = paddle.matmul(step.x_scaled, w, transpose_y=True,
+                            out=_lend(step, name, [step.n, block.hi - block.lo]))
+        scale_columns_(cos, step.inv_w[block.lo:block.hi])
+        logits = _class_max(step, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
         target_logit = margin.target_logit(block.cos_t)
         block.put_(logits, target_logit, _clamp_(margin, block, logits, plain))
     else:
-        logits = paddle.matmul(ctx.features, w, transpose_y=True,
-                               out=_lend(ctx, block.buffer, [ctx.n, block.stop - block.start]))
+        logits = paddle.matmul(step.features, w, transpose_y=True,
+                               out=_lend(step, block.buffer, [step.n, block.stop - block.start]))
         if bias is not None:
             logits.add_(_rows_f32(bias, block.start, block.stop))
         target_logit = block.take(logits)
     return logits, target_logit
 
 
-def _block_backward(ctx, block, buf, w, row_scale, d_x):
-    """Gradients from one block of E = exp(logit − max) (`w`: the block's float32 rows):
-    adds the embedding part to `d_x` and produces the block's weight (and bias) gradient
-    rows. With S the row sum of E and r = g/S, dL/dlogit = r·(E − S·onehot); r is applied to
-    the small GEMM operands and the output, so the GEMMs are the only passes over `buf` (and,
-    for a wide block, the one pass that copies each column slab for them, `_slabs`)."""
-    margin = ctx.margin
+# The forward's stages, in order: gather → logits → max → sum → target → loss.
+
+def _gather(step, features, weight, bias, local_target):
+    """Gather: the gathered batch as the logits read it (cosines: |x|, x̂, s·x̂, 1/|W| and the
+    margin for this batch), the blocks of classes, which inputs want a gradient."""
+    step.n, step.weight, step.bias = features.shape[0], weight, bias
+    if step.margin.normalized:
+        step.x_norm = _row_norm(features)
+        step.margin = step.margin.for_batch(step.x_norm)
+        step.x_hat = features / step.x_norm.unsqueeze(1)
+        step.x_scaled = step.x_hat * step.margin.scale
+        step.inv_w = _inv_row_norms(weight)
+    else:
+        step.features = features
+    step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
+                          step.sub_centers)
+    step.need_x, step.need_w = not features.stop_gradient, not weight.stop_gradient
+
+
+def _logits(step, dtype):
+    """Logits, this rank's: dense, the one block's (kept in `step.exp_logits` for the backward)
+    and their row max; chunked, each block's folded into a running row max and sum of
+    exponentials (as flash attention does), then dropped. Returns (`[N]` target logits, local
+    row max, local sum of exp(logit − that max): None on the dense path, whose sum waits for
+    the global max)."""
+    blocks, weight, bias = step.blocks, step.weight, step.bias
+    if len(blocks) == 1:
+        logits, target_logit = _block_logits(step, blocks[0], _rows_f32(weight), bias)
+        step.exp_logits = logits
+        return target_logit, row_max_of(logits), None
+    run_max = paddle.full([step.n], float("-inf"), dtype=dtype)
+    run_sum = paddle.zeros([step.n], dtype=dtype)
+    target_logit = paddle.zeros([step.n], dtype=dtype)
+    for block in blocks:
+        w = _rows_f32(weight, block.lo, block.hi)
+        logits, t = _block_logits(step, block, w, bias)
+        block.pick = block.clamped = None  # the backward finds them again
+        target_logit = paddle.where(block.inside, t, target_logit)
+        new_max, block_sum = exp_shifted_(logits, run_max, running=True)
+        run_sum = run_sum * paddle.exp(run_max - new_max) + block_sum
+        run_max = new_max
+        del logits, w
+        _give_back(step, block.buffer, block.centre_buffer)
+    return target_logit, run_max, run_sum
+
+
+def _max(step, local_max):
+    """Max: the row max over every rank's classes (one MAX all-reduce; in a copy of the chunked
+    path's running max, which `_sum` still reads)."""
+    dense = step.exp_logits is not None
+    step.row_max = all_reduce_(local_max if dense else local_max.clone(), "max", step.group)
+
+
+def _sum(step, local_max, local_sum):
+    """Sum: the row sum of exp(logit − max) over every rank's classes (one SUM all-reduce). On the
+    dense path the kept logits become E = exp(logit − max) in place, zero where clamped (in the
+    sum, but no gradient)."""
+    if step.exp_logits is not None:
+        step.sum_exp = all_reduce_(exp_shifted_(step.exp_logits, step.row_max)[1], "sum",
+                                   step.group)
+        _zero_clamped_(step.blocks[0], step.exp_logits)
+    else:
+        step.sum_exp = all_reduce_(local_sum * paddle.exp(local_max - step.row_max), "sum",
+                                   step.group)
+
+
+def _target(step, target_logit, local_target):
+    """Target: log p[target] on the rank that owns the label, 0 elsewhere."""
+    logp = target_logit - step.row_max - paddle.log(step.sum_exp)
+    return paddle.where(local_target >= 0, logp, paddle.zeros_like(logp))
+
+
+def _loss(step, target_logp):
+    """Loss: −log p[target], summed over ranks (one SUM all-reduce), so the same on every rank.
+    The dense buffer goes back to the workspace at once when no backward will come."""
+    all_reduce_(target_logp, "sum", step.group)
+    if step.exp_logits is not None and not (step.need_x or step.need_w):
+        step.exp_logits = None
+        _give_back(step, step.blocks[0].buffer, step.blocks[0].centre_buffer)
+    return -target_logp
+
+
+# The backward's: loss → (a block at a time: sum and max → target → logits) → gather.
+
+def _loss_grad(step, grad):
+    """Loss, reversed: with S the row sum of E = exp(logit − max), dL/dlogit = r·(E − S·onehot)
+    with r = g/S; returns r (`[N, 1]`)."""
+    return (grad / step.sum_exp).unsqueeze(1)
+
+
+def _open_grads(step, n):
+    """Where the gradients go: the embedding's into a zeroed `[N, d]` array, the bias's into
+    `step.d_b`, the weight's into an array the backward returns (`step.d_w`), over Partial FC's
+    scratch rows or into the optimizer's update (`step.sink`). Returns (d_x, d_w returned)."""
+    weight, bias = step.weight, step.bias
+    d_x = paddle.zeros([n, weight.shape[1]], dtype="float32") if step.need_x else None
+    step.d_b = paddle.empty(bias.shape, dtype="float32") if bias is not None else None
+    step.d_w = step.sink = d_w = None
+    if step.row_update is not None:  # no weight gradient array at all
+        step.sink = step.row_update
+    elif step.need_w and step.grad_into_weight:
+        step.sink, d_w = _over_weight(weight), weight
+    elif step.need_w:
+        step.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
+    return d_x, d_w
+
+
+def _sum_grad(step, block, w):
+    """Sum and max, reversed: the block's E = exp(logit − max) (the max has no gradient of its
+    own), the forward's (dense) or from its logits recomputed (chunked)."""
+    if step.exp_logits is not None:
+        buf, step.exp_logits = step.exp_logits, None
+        return buf
+    buf, _ = _block_logits(step, block, w, step.bias)
+    exp_shifted_(buf, step.row_max, want_sum=False)
+    _zero_clamped_(block, buf)
+    return buf
+
+
+def _target_grad(step, block, buf):
+    """Target, reversed: E − S at the target entries of `buf`, in place (for cosines times the
+    margin's derivative over s), so `buf` is dL/dlogit / r."""
+    margin = step.margin
     old = block.take(buf)
-    target = old - ctx.sum_exp
+    target = old - step.sum_exp
     if margin.normalized:
         target = target * margin.target_grad(block.cos_t) / margin.scale
     block.put_(buf, target, old)
+
+
+def _logits_grad(step, block, buf, w, row_scale, d_x):
+    """Logits, reversed: from the block's dL/dlogit / r in `buf` (`w`: its float32 rows), adds
+    the embedding part to `d_x` and produces the block's weight (and bias) gradient rows. r is
+    applied to the small GEMM operands and the output, so the GEMMs are the only passes over
+    `buf` (and, for a wide block, the one pass that copies each column slab for them,
+    `_slabs`)."""
+    margin = step.margin
     if margin.normalized:
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|): column j of buf is divided
         # by |W_j| before both GEMMs.
-        buf = _to_centres(ctx, block, buf)
-        inv_w = ctx.inv_w[block.lo:block.hi]
+        buf = _to_centres(step, block, buf)
+        inv_w = step.inv_w[block.lo:block.hi]
         scale = row_scale * margin.scale
-        rhs = ctx.x_hat * scale
+        rhs = step.x_hat * scale
     else:
         inv_w, scale = None, row_scale
-        rhs = ctx.features * row_scale
-    if ctx.d_b is not None:  # the bias (plain softmax) has one gradient per class
+        rhs = step.features * row_scale
+    if step.d_b is not None:  # the bias (plain softmax) has one gradient per class
         paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
-                      out=ctx.d_b[block.start:block.stop])
+                      out=step.d_b[block.start:block.stop])
     d_x_block = None
     for lo, hi, part in _slabs(buf, inv_w, rhs.shape[1]):
         if d_x is not None:
             prod = paddle.matmul(part, w if (lo, hi) == (0, buf.shape[1]) else w[lo:hi])
             d_x_block = prod if d_x_block is None else d_x_block.add_(prod)
-        if ctx.need_w:
-            _weight_grad_rows(ctx, block.lo + lo, block.lo + hi, part, w[lo:hi],
+        if step.need_w:
+            _weight_grad_rows(step, block.lo + lo, block.lo + hi, part, w[lo:hi],
                               None if inv_w is None else inv_w[lo:hi], rhs)
     if d_x_block is not None:
         d_x.add_(d_x_block * scale)
@@ -224,7 +382,7 @@ def _slabs(buf, inv_w, d):
     (64 MiB); else slabs of `_WGRAD_SLAB` columns, each scaled into one contiguous scratch
     (the GEMMs need contiguous operands, and a column slab of `buf` is a strided view), so the
     scaling and the copy are one pass. Both paths of the weight gradient (into an array, or
-    into `ctx.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
+    into `step.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
     (MKL's AVX2 kernels round a row differently for different row counts)."""
     width = buf.shape[1]
     if width * d * 4 <= _WGRAD_BLOCK_BYTES:
@@ -238,17 +396,36 @@ def _slabs(buf, inv_w, d):
         yield lo, hi, scratch
 
 
-def _weight_grad_rows(ctx, lo, hi, part, w, inv_w, rhs):
+def _weight_grad_rows(step, lo, hi, part, w, inv_w, rhs):
     """Weight rows [lo, hi)'s gradient from their slab `part` of the logits' gradient (its
     columns already divided by |W_j| for normalised logits): P = partᵀ·rhs, and for normalised
     logits the correction dW_j = P_j − W_j (W_j·P_j) / |W_j|² (P is dL/dŴ / |W|). Into
-    `ctx.d_w`'s rows the GEMM writes in place; to `ctx.sink` the rows are handed over."""
-    out = ctx.d_w[lo:hi] if ctx.d_w is not None else None
+    `step.d_w`'s rows the GEMM writes in place; to `step.sink` the rows are handed over."""
+    out = step.d_w[lo:hi] if step.d_w is not None else None
     g_w = paddle.matmul(part, rhs, transpose_x=True, out=out)
     if inv_w is not None:
         remove_row_components_(g_w, w, inv_w)
-    if ctx.d_w is None:
-        ctx.sink(lo, hi, g_w, None)
+    if step.d_w is None:
+        step.sink(lo, hi, g_w, None)
+
+
+def _close_grads(step):
+    """The bias gradient to return (None when `row_update` took it, at once); the backward's
+    arrays and sink are dropped from the step."""
+    d_b = step.d_b
+    if step.row_update is not None and d_b is not None:  # the bias's update, at once
+        step.row_update(0, d_b.shape[0], None, d_b)
+        d_b = None
+    step.d_w = step.d_b = step.sink = None
+    return d_b
+
+
+def _gather_grad(step, d_x):
+    """Gather, reversed: for cosines, the embedding gradient through x̂ = x/|x|."""
+    if d_x is not None and step.margin.normalized:
+        x_hat = step.x_hat
+        d_x = (d_x - x_hat * row_dot(x_hat, d_x).unsqueeze(1)) / step.x_norm.unsqueeze(1)
+    return d_x
 
 
 def _over_weight(weight):
@@ -258,108 +435,41 @@ def _over_weight(weight):
     return write
 
 
-def _give_back(ctx, *names):
-    if ctx.workspace is not None:
+def _give_back(step, *names):
+    if step.workspace is not None:
         for name in names:
-            ctx.workspace.give_back(name)
+            step.workspace.give_back(name)
 
 
 class _ParallelSoftmaxCE(PyLayer):
-    """Per-sample loss of the gathered batch; see `parallel_softmax_cross_entropy`."""
+    """Per-sample loss of the gathered batch; see `parallel_softmax_cross_entropy`. Called with
+    keywords: the tensors, and `step`, a new `_Step` holding the options, which `ctx` keeps."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, local_target, margin, group, chunk_size, workspace,
-                grad_into_weight, row_update, sub_centers):
-        n = features.shape[0]
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.n, ctx.workspace, ctx.sub_centers = n, workspace, sub_centers
-        ctx.grad_into_weight, ctx.row_update = grad_into_weight, row_update
-        if margin.normalized:
-            ctx.x_norm = _row_norm(features)
-            margin = margin.for_batch(ctx.x_norm)
-            ctx.x_hat = features / ctx.x_norm.unsqueeze(1)
-            ctx.x_scaled = ctx.x_hat * margin.scale
-            ctx.inv_w = _inv_row_norms(weight)
-        else:
-            ctx.features = features
-        ctx.margin = margin
-        blocks = _blocks(local_target, weight.shape[0] // sub_centers, chunk_size, sub_centers)
-
-        if len(blocks) == 1:  # dense: keep exp(logit − max) for the backward
-            logits, target_logit = _block_logits(ctx, blocks[0], _rows_f32(weight), bias)
-            row_max = all_reduce_(row_max_of(logits), "max", group)
-            sum_exp = all_reduce_(exp_shifted_(logits, row_max)[1], "sum", group)
-            _zero_clamped_(blocks[0], logits)  # in the sum, but no gradient
-            ctx.exp_logits = logits
-        else:  # chunked: running max and sum, blocks dropped as they go
-            run_max = paddle.full([n], float("-inf"), dtype=features.dtype)
-            run_sum = paddle.zeros([n], dtype=features.dtype)
-            target_logit = paddle.zeros([n], dtype=features.dtype)
-            for block in blocks:
-                w = _rows_f32(weight, block.lo, block.hi)
-                logits, t = _block_logits(ctx, block, w, bias)
-                block.pick = block.clamped = None  # the backward finds them again
-                target_logit = paddle.where(block.inside, t, target_logit)
-                new_max, block_sum = exp_shifted_(logits, run_max, running=True)
-                run_sum = run_sum * paddle.exp(run_max - new_max) + block_sum
-                run_max = new_max
-                del logits, w
-                _give_back(ctx, block.buffer, block.centre_buffer)
-            row_max = all_reduce_(run_max.clone(), "max", group)
-            sum_exp = all_reduce_(run_sum * paddle.exp(run_max - row_max), "sum", group)
-            ctx.exp_logits = None
-
-        # log p[target] on the rank that owns the label, 0 elsewhere; the sum over
-        # ranks is then the target log-probability of every sample.
-        logp = target_logit - row_max - paddle.log(sum_exp)
-        target_logp = paddle.where(local_target >= 0, logp, paddle.zeros_like(logp))
-        all_reduce_(target_logp, "sum", group)
-
-        ctx.weight, ctx.bias, ctx.blocks = weight, bias, blocks
-        ctx.row_max, ctx.sum_exp = row_max, sum_exp
-        ctx.grad_mask = (not features.stop_gradient, not weight.stop_gradient)
-        if ctx.exp_logits is not None and not any(ctx.grad_mask):
-            ctx.exp_logits = None  # no backward will come
-            _give_back(ctx, blocks[0].buffer, blocks[0].centre_buffer)
-        return -target_logp
+    def forward(ctx, *, features, weight, bias, local_target, step):
+        ctx.step = step
+        _gather(step, features, weight, bias, local_target)
+        target_logit, local_max, local_sum = _logits(step, features.dtype)
+        _max(step, local_max)
+        _sum(step, local_max, local_sum)
+        return _loss(step, _target(step, target_logit, local_target))
 
     @staticmethod
     def backward(ctx, grad):
-        weight, bias, margin, blocks = ctx.weight, ctx.bias, ctx.margin, ctx.blocks
-        row_scale = (grad / ctx.sum_exp).unsqueeze(1)
-        need_x, ctx.need_w = ctx.grad_mask
-        d_x = paddle.zeros([grad.shape[0], weight.shape[1]], dtype="float32") if need_x else None
-        # Where the gradients go: the bias's into an array; the weight's into an array the
-        # backward returns, over Partial FC's scratch rows, or into the optimizer's update.
-        ctx.d_b = paddle.empty(bias.shape, dtype="float32") if ctx.has_bias else None
-        ctx.d_w = ctx.sink = d_w = None  # d_w: the weight gradient returned
-        if ctx.row_update is not None:  # no weight gradient array at all
-            ctx.sink = ctx.row_update
-        elif ctx.need_w and ctx.grad_into_weight:
-            ctx.sink, d_w = _over_weight(weight), weight
-        elif ctx.need_w:
-            ctx.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
-        buf, ctx.exp_logits = ctx.exp_logits, None
-        for block in blocks:  # recomputing the logits the forward dropped (chunked path)
-            w = _rows_f32(weight, block.lo, block.hi)
-            if buf is None:
-                block_buf, _ = _block_logits(ctx, block, w, bias)
-                exp_shifted_(block_buf, ctx.row_max, want_sum=False)
-                _zero_clamped_(block, block_buf)
-            else:
-                block_buf, buf = buf, None
-            _block_backward(ctx, block, block_buf, w, row_scale, d_x)
-            del block_buf, w
-            _give_back(ctx, block.buffer, block.centre_buffer)
-        d_b = ctx.d_b
-        if ctx.row_update is not None and d_b is not None:  # the bias's update, at once
-            ctx.row_update(0, d_b.shape[0], None, d_b)
-            d_b = None
-        ctx.d_w = ctx.d_b = ctx.sink = None
-        if need_x and margin.normalized:
-            x_hat = ctx.x_hat
-            d_x = (d_x - x_hat * row_dot(x_hat, d_x).unsqueeze(1)) / ctx.x_norm.unsqueeze(1)
-        if ctx.has_bias:
+        step = ctx.step
+        row_scale = _loss_grad(step, grad)
+        d_x, d_w = _open_grads(step, grad.shape[0])
+        for block in step.blocks:  # the chunked path recomputes the logits it dropped
+            w = _rows_f32(step.weight, block.lo, block.hi)
+            buf = _sum_grad(step, block, w)
+            _target_grad(step, block, buf)
+            _logits_grad(step, block, buf, w, row_scale, d_x)
+            del buf, w
+            _give_back(step, block.buffer, block.centre_buffer)
+        d_b = _close_grads(step)
+        d_x = _gather_grad(step, d_x)
+        # One gradient per tensor passed to `apply`, in the order they were passed there.
+        if step.bias is not None:
             return d_x, d_w, d_b, None
         return d_x, d_w, None
 
@@ -412,5 +522,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
         raise ValueError(f"sub-centres need a normalised margin (a cosine per centre), not {margin}")
     if chunk_size is not None and int(chunk_size) * sub_centers >= weight.shape[0]:
         chunk_size = None
-    return _ParallelSoftmaxCE.apply(features, weight, bias, local_target, margin, group, chunk_size,
-                                    workspace, grad_into_weight, row_update, sub_centers)
+    step = _Step(margin, group, chunk_size, workspace, grad_into_weight, row_update, sub_centers)
+    # Paddle matches the backward's gradients to the tensors in the order they are passed here
+    # (features, weight, bias, local_target), keywords included.
+    return _ParallelSoftmaxCE.apply(features=features, weight=weight, bias=bias,
+                                    local_target=local_target, step=step)

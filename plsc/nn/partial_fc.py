@@ -6,7 +6,7 @@ from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import take_rows
-from ..numerics import STORAGE_DTYPES, UPCAST_SLAB_BYTES, cast_nearest, gather_rows, to_float32
+from ..numerics import STORAGE_DTYPES, SLAB_BYTES, cast_nearest, gather_rows, to_float32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
@@ -189,7 +189,7 @@ class PartialFC(nn.Layer):
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
-            step = max(1, UPCAST_SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
+            step = max(1, SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
                 rows[lo:lo + part.shape[0]] = to_float32(gather_rows(source, part))
@@ -280,7 +280,7 @@ def _normal_parameter(layer, shape, std, dtype):
         return layer.create_parameter(shape, dtype="float32", default_initializer=init)
     param = layer.create_parameter(shape, dtype=dtype,
                                    default_initializer=nn.initializer.Constant(0.0))
-    step = max(1, UPCAST_SLAB_BYTES // (4 * shape[1]))
+    step = max(1, SLAB_BYTES // (4 * shape[1]))
     with paddle.no_grad():
         for lo in range(0, shape[0], step):
             rows = min(step, shape[0] - lo)

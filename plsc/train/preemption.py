@@ -24,10 +24,9 @@ import time
 import paddle
 
 from .. import distributed as pd
-from ..data import DataError
 
-__all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "PeerDataError",
-           "StopSignals", "peer_failure", "failed_rank"]
+__all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
+           "peer_failure"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a re-queued job does
 RANK_LOST_EXIT_CODE = 69  # EX_UNAVAILABLE: a rank this one needs is gone
@@ -58,26 +57,6 @@ class RankLost(Exception):
         who = f"rank {peer}" if peer is not None else "another rank"
         super().__init__(f"rank {rank}: {who} stopped answering after step {self.step} "
                          f"({detail}); exiting. Last complete checkpoint: {checkpoint or 'none'}")
-
-
-class PeerDataError(DataError):
-    """Another rank could not load its data; that rank's own error names the sample."""
-
-    def __init__(self, rank, peer, when):
-        self.rank, self.peer = rank, peer
-        super().__init__(f"rank {rank}: rank {peer} stopped on a data error {when} (its log names "
-                         "the file or record); exiting")
-
-
-def failed_rank(failed, group=None):
-    """The highest rank of `group` whose `failed` is true, or -1: the same on every rank (one
-    all-reduce of one value). Ranks call it at the same points so that an error on one of them
-    stops all of them there instead of leaving the others waiting in a collective."""
-    rank, world = pd.group_rank_size(group)
-    if world == 1:
-        return rank if failed else -1
-    flag = paddle.to_tensor([float(rank + 1 if failed else 0)], dtype="float32")
-    return int(pd.all_reduce_(flag, "max", group).item()) - 1
 
 
 def peer_failure(err, rank, world_size):

@@ -1,17 +1,17 @@
-"""Verification during and after training: embeddings (+ flips) of each pack, split across ranks."""
+"""Embeddings by all ranks together, and verification on them (during training and by the
+tools): each rank embeds a contiguous share of the images and the shares are gathered."""
 import contextlib
 import os
 
 import numpy as np
 import paddle
 
-from ..data import DataError, DataLoader, load_verification_arrays
-from ..distributed import gather_concat, get_rank, get_world_size
-from ..metrics import verification_report
-from .preemption import PeerDataError, failed_rank
+from .data import DataError, DataLoader, PeerDataError, load_verification_arrays
+from .distributed import failed_rank, gather_concat, get_rank, get_world_size
+from .metrics import verification_report
 
-__all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "rank_share", "gather_shares",
-           "share_batches"]
+__all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "embedding_size", "rank_share",
+           "gather_shares", "share_batches"]
 
 
 def rank_share(n):
@@ -63,8 +63,20 @@ def gather_shares(local, n, chunk_rows=1 << 16):
     return out.reshape((world * share,) + local.shape[1:])[:n]
 
 
-def embed(model, images, batch_size):
-    """Embeddings (float32 numpy) of a float32 [N, 3, H, W] array, batch by batch, in eval mode."""
+def embedding_size(model, image_size):
+    """The width of `model`'s embeddings of `image_size` images (one zero image through it)."""
+    with paddle.no_grad():
+        return int(model(paddle.zeros([1, 3] + [int(v) for v in image_size])).shape[1])
+
+
+def embed(model, images, batch_size=128, flip=False):
+    """Embeddings (float32 numpy) of a float32 [N, 3, H, W] array, batch by batch, in eval
+    mode; with `flip`, plus those of the horizontal flips."""
+    emb = _embed(model, images, batch_size)
+    return emb + _embed(model, images[..., ::-1], batch_size) if flip else emb
+
+
+def _embed(model, images, batch_size):
     was_training = model.training
     model.eval()
     outs = []
@@ -83,12 +95,12 @@ def extract_embeddings(model, data, batch_size):
     n = len(data)
     start, stop, _ = rank_share(n)
     mine = data[start:stop]
-    dim = embed(model, data[:1], 1).shape[1]  # known even to a rank whose share is empty
+    dim = _embed(model, data[:1], 1).shape[1]  # known even to a rank whose share is empty
 
     def collect(local):
         return gather_shares(local.reshape(-1, dim), n)
 
-    return collect(embed(model, mine, batch_size)), collect(embed(model, mine[..., ::-1], batch_size))
+    return collect(_embed(model, mine, batch_size)), collect(_embed(model, mine[..., ::-1], batch_size))
 
 
 class VerificationEvaluator:

@@ -1,4 +1,4 @@
-"""What the tools and `Entry` do besides training: evaluate, export, extract, predict."""
+"""What the tools and `Entry` do with a trained backbone: evaluate, export, extract."""
 import os
 import sys
 
@@ -6,15 +6,15 @@ import numpy as np
 
 from .. import data as plsc_data
 from .. import distributed as pd
+from ..checkpoint import find_checkpoint
+from ..checkpoint.layout import BACKBONE
 from ..config import ConfigError
+from ..embedding import VerificationEvaluator, embed
 from ..metrics import save_roc_png
-from .builders import build_backbone, select_device
-from .checkpoint import find_checkpoint
-from .evaluator import VerificationEvaluator, embed as embed_batches
+from ..runtime import build_backbone, open_dataset, progress as draw_progress, select_device, show_progress, start
 from .export import export_backbone, load_backbone_weights
-from .progress import progress as _progress
 
-__all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract", "embed"]
+__all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract"]
 
 
 def trained_backbone(cfg, backbone=None):
@@ -27,7 +27,7 @@ def trained_backbone(cfg, backbone=None):
     if g["checkpoint"]:  # only the backbone is read: only it is verified
         path = find_checkpoint(g["checkpoint"], g["output_dir"], cfg["Checkpoint"]["verify"],
                                warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr),
-                               only=("backbone.pdparams",))
+                               only=(BACKBONE,))
     if path is not None:
         load_backbone_weights(backbone, path)
     elif g["pretrained"]:
@@ -55,8 +55,7 @@ def format_table(reports):
 
 def evaluate(cfg, backbone=None, out=sys.stdout):
     """Verify every Eval target; rank 0 prints a table and writes roc.png to output_dir."""
-    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
-    pd.init()
+    start(cfg)
     e = cfg["Eval"]
     if not e["targets"]:
         raise ConfigError("Eval.targets is empty: name the packs to verify, e.g. -o Eval.targets=[lfw]")
@@ -81,36 +80,21 @@ def export(cfg, out_dir=None, onnx=True, backbone=None):
     return export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
 
 
-def embed(model, images, batch_size=128, flip=False):
-    """Embeddings of a float32 [N, 3, H, W] array (plus those of the flips with `flip`)."""
-    emb = embed_batches(model, images, batch_size)
-    if flip:
-        emb = emb + embed_batches(model, images[..., ::-1], batch_size)
-    return emb
-
-
 def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None):
     """Embeddings of every image of `source` (a folder with train.rec, a list file, or an
     image folder) to `output` (.npy) and their labels to `<output stem>_labels.npy`."""
     model = trained_backbone(cfg, backbone)
     size = tuple(cfg["Data"]["image_size"])
-    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "train.idx")):
-        ds = plsc_data.RecordIODataset(source, image_size=size, train=False)
-    elif os.path.isdir(source):
-        ds = plsc_data.ImageFolderDataset(source, image_size=size, train=False)
-    elif os.path.isfile(source):
-        ds = plsc_data.ImageListDataset(source, image_size=size, train=False)
-    else:
-        raise FileNotFoundError(f"{source} is neither a RecordIO folder, an image folder nor a list file")
+    ds, _ = open_dataset("auto", source, size, train=False, what="the source")
     batch_size = batch_size or cfg["Eval"]["batch_size"]
-    progress = sys.stderr.isatty() if progress is None else progress
+    progress = show_progress(progress, cfg["Logging"]["progress_bar"], pd.get_rank())
     loader = plsc_data.DataLoader.sequential(ds, batch_size, num_workers=cfg["Data"]["num_workers"])
     embeddings, labels, done = [], [], 0
     for images, batch_labels in loader:
         embeddings.append(embed(model, images.numpy(), batch_size, flip))
         labels.append(batch_labels.numpy().reshape(-1))
         done += len(batch_labels)
-        _progress(done, len(ds), progress)
+        draw_progress(done, len(ds), progress)
     emb = np.concatenate(embeddings)
     stem = output[:-4] if output.endswith(".npy") else output
     np.save(stem + ".npy", emb)

@@ -44,30 +44,27 @@ training set and:
 import copy
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
 import paddle
 
-from .. import data as plsc_data
 from .. import distributed as pd
+from .. import runtime
+from ..checkpoint import (agree_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32,
+                          write_k1_checkpoint)
 from ..config import ConfigError
 from ..data import irheader
 from ..data.facerec import read_property, write_face_rec
-from ..fileio import AtomicWriter, atomic_write
+from ..embedding import gather_shares, rank_share, share_batches
+from ..fileio import AtomicWriter, atomic_write, commit_folder, temp_folder
 from ..metrics import angle_histogram_image, save_angle_histogram_png
-from .builders import select_device
-from .checkpoint import agree_checkpoint
-from .evaluator import gather_shares, rank_share, share_batches
-from .head_store import copy_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32
-from .progress import progress as show_progress
+from ..numerics import SLAB_BYTES
 
 __all__ = ["clean_subcenters", "source_dataset", "subcenter_cosines", "dominant_centres",
-           "angles_to_dominant", "write_k1_checkpoint", "HIST_BIN_DEGREES"]
+           "angles_to_dominant", "HIST_BIN_DEGREES"]
 
 HIST_BIN_DEGREES = 2.0
-_SLAB_BYTES = 32 << 20  # centres read per slab (float32 bytes)
 _SAMPLE_CHUNK = 4096  # samples whose [chunk, K, d] class rows are gathered at once
 
 
@@ -75,20 +72,8 @@ def source_dataset(cfg):
     """The config's training set (Data.dataset, Data.root) read without augmentation, in
     order, as normalised float32 images: (dataset, kind) with kind recordio, folder or list."""
     d = cfg["Data"]
-    kind, root = d["dataset"], d["root"]
-    kind = "recordio" if kind == "synthetic" else kind
-    if not os.path.exists(root):
-        raise FileNotFoundError(f"Data.root {root} does not exist")
-    common = dict(image_size=tuple(d["image_size"]), train=False,
-                  num_classes=cfg["Loss"]["num_classes"])
-    if kind == "recordio":
-        for name in ("train.rec", "train.idx"):
-            if not os.path.isfile(os.path.join(root, name)):
-                raise FileNotFoundError(f"Data.root {root} has no {name} (Data.dataset={d['dataset']})")
-        return plsc_data.RecordIODataset(root, **common), kind
-    if kind == "folder":
-        return plsc_data.ImageFolderDataset(root, **common), kind
-    return plsc_data.ImageListDataset(root, **common), kind
+    return runtime.open_dataset(d["dataset"], d["root"], d["image_size"], train=False,
+                                num_classes=cfg["Loss"]["num_classes"])
 
 
 def _embed_share(model, ds, n, batch_size, num_workers, progress):
@@ -99,7 +84,7 @@ def _embed_share(model, ds, n, batch_size, num_workers, progress):
         for images, batch_labels in share_batches(ds, n, batch_size, num_workers):
             embeddings.append(model(images).astype("float32").numpy())
             labels.append(batch_labels.numpy().reshape(-1).astype(np.int64))
-            show_progress(sum(map(len, labels)), stop - start, progress, "embedding ")
+            runtime.progress(sum(map(len, labels)), stop - start, progress, "embedding ")
     if not embeddings:
         return None, np.zeros([0], np.int64)
     return np.concatenate(embeddings), np.concatenate(labels)
@@ -123,7 +108,7 @@ def subcenter_cosines(path, meta, embeddings, labels):
     order = np.argsort(labels, kind="stable")
     ordered = labels[order]
     per_class = k * int(meta["embedding_size"]) * 4
-    window = max(1, _SLAB_BYTES // per_class)
+    window = max(1, SLAB_BYTES // per_class)
     i = 0
     while i < len(order):
         lo = int(ordered[i])
@@ -149,47 +134,6 @@ def angles_to_dominant(cosines, labels, dominant):
     """Degrees between each sample and its class's dominant centre."""
     cos = cosines[np.arange(len(labels)), dominant[labels]]
     return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
-
-
-def write_k1_checkpoint(src, dst, dominant, cfg=None, meta=None):
-    """Checkpoint `dst` from the K-centre checkpoint `src`: each class's weight row is its
-    dominant centre (the stored bits), the weight's optimizer state is zero, everything else
-    (backbone, its optimizer, LR schedule, bias and its state) is copied. Written to
-    `dst.new`, then renamed (a previous `dst` is replaced)."""
-    meta = read_meta(src) if meta is None else meta
-    k = int(meta.get("sub_centers", 1))
-    new_meta = dict(meta, sub_centers=1)
-    if new_meta.get("batch_in_epoch"):  # a new data set: start at the beginning of an epoch
-        new_meta["epoch"] = int(new_meta.get("epoch", 0)) + 1
-        new_meta["batch_in_epoch"] = 0
-    stored_cfg = copy.deepcopy(meta.get("config") or cfg)
-    if stored_cfg is not None:
-        stored_cfg.setdefault("Loss", {})["sub_centers"] = 1
-        new_meta["config"] = stored_cfg
-    new_meta["cleaned_from"] = {"checkpoint": os.path.abspath(src), "sub_centers": k}
-    dominant = np.asarray(dominant, np.int64)
-    zeros_like_first = {}
-
-    def rows(name, start, count):
-        if name == "weight":
-            centres = load_head_rows(src, name, start, count, meta)  # [count, K, d] as stored
-            return centres[np.arange(count), dominant[start:start + count]]
-        if name.startswith("opt.weight."):
-            if name not in zeros_like_first:
-                zeros_like_first[name] = load_head_rows(src, name, 0, 1, meta)
-            first = zeros_like_first[name]  # [1, K, ...]
-            rest = first.shape[2:]  # [1, K, 1]: a number a centre (AdamW's step count), 1-D at K = 1
-            return np.zeros((count,) + (() if int(np.prod(rest)) == 1 else rest), first.dtype)
-        return load_head_rows(src, name, start, count, meta)
-
-    part = dst.rstrip("/") + ".new"
-    if os.path.exists(part):
-        shutil.rmtree(part)
-    copy_checkpoint(src, part, new_meta, rows)
-    if os.path.exists(dst):
-        shutil.rmtree(dst)
-    os.replace(part, dst)
-    return dst
 
 
 def _write_lists(out_dir, ds, kind, labels, angles, kept):
@@ -222,14 +166,9 @@ def _write_clean_rec(out_dir, ds, labels, kept, num_classes, image_size):
         for key in keys:
             yield bytes(irheader.unpack(ds.reader.read(int(key)))[1])
 
-    tmp = out_dir.rstrip("/") + ".tmp"
-    if os.path.exists(tmp):
-        shutil.rmtree(tmp)
+    tmp = temp_folder(out_dir)
     write_face_rec(tmp, labels[kept], images(), tuple(image_size), num_classes=num_classes)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+    return commit_folder(tmp, out_dir)
 
 
 def _summary(path, meta, threshold, labels, picks, counts, dominant, angles, kept, kind, root):
@@ -289,8 +228,7 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     if not 0.0 < threshold < 180.0:  # NaN too
         raise ConfigError(f"the threshold must be an angle in degrees in (0, 180), got {threshold:g}")
     g = cfg["Global"]
-    select_device(g["device"], g["cpu_threads"])
-    pd.init()
+    runtime.start(cfg)
     rank, world = pd.get_rank(), pd.get_world_size()
     value = checkpoint or g["checkpoint"] or "latest"
     value = "latest" if value == "auto" else value
@@ -313,7 +251,7 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
         raise ConfigError(f"checkpoint {path} has {num_classes} classes, Loss.num_classes is "
                           f"{cfg['Loss']['num_classes']}")
     out_dir = out_dir or os.path.join(g["output_dir"], "cleaned")
-    progress = (rank == 0 and sys.stderr.isatty()) if progress is None else (progress and rank == 0)
+    progress = runtime.show_progress(progress, cfg["Logging"]["progress_bar"], rank)
 
     from .tasks import trained_backbone
     run_cfg = copy.deepcopy(cfg)

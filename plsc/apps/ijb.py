@@ -17,18 +17,13 @@ from .. import distributed as pd
 from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, read_ijb_meta
 from ..fileio import AtomicWriter
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
-from .builders import select_device
-from .evaluator import gather_shares, rank_share, share_batches
-from .progress import progress as show_progress
+from ..embedding import embedding_size, gather_shares, rank_share, share_batches
+from .. import runtime
+from ..runtime import progress as draw_progress, show_progress
 from .tasks import trained_backbone
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "format_ijb_table",
            "evaluate_ijb"]
-
-
-def _embedding_dim(model, image_size):
-    with paddle.no_grad():
-        return int(model(paddle.zeros([1, 3] + [int(v) for v in image_size])).shape[1])
 
 
 def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, progress=False):
@@ -43,7 +38,7 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
     start, stop, _ = rank_share(n)
     was_training = model.training
     model.eval()
-    dim = _embedding_dim(model, image_size)
+    dim = embedding_size(model, image_size)
     local = np.zeros((stop - start, dim), np.float32)
     dataset = IJBFaceDataset(meta, image_size, 0, n)
     transform = FaceTransform(image_size, train=False, output="uint8")
@@ -54,7 +49,7 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
             emb = model(x) + model(paddle.flip(x, [3]))
             local[index.numpy().reshape(-1) - start] = emb.astype("float32").numpy()
             done += int(index.shape[0])
-            show_progress(done, stop - start, progress, f"{meta.target} rank {rank}: ")
+            draw_progress(done, stop - start, progress, f"{meta.target} rank {rank}: ")
     if was_training:
         model.train()
     return gather_shares(local, n)
@@ -126,8 +121,7 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
     auc, the options, and the arrays scores, far, tar.
     """
     out = sys.stdout if out is None else out
-    select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
-    pd.init()
+    runtime.start(cfg)
     meta = read_ijb_meta(root, target)
     rank0 = pd.get_rank() == 0
     if features is not None:
@@ -135,9 +129,9 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
     else:
         check_ijb_images(meta)
         model = trained_backbone(cfg, backbone)
-        show = cfg["Logging"]["progress_bar"] and sys.stderr.isatty() if progress is None else progress
+        show = show_progress(progress, cfg["Logging"]["progress_bar"], pd.get_rank())
         feats = extract_ijb_features(model, meta, cfg["Data"]["image_size"], cfg["Eval"]["batch_size"],
-                                     cfg["Data"]["num_workers"], progress=show and rank0)
+                                     cfg["Data"]["num_workers"], progress=show)
     if save_features and rank0:
         save_ijb_features(save_features, feats)
     report = ijb_report(feats, meta.templates, meta.medias, meta.pairs, meta.labels,

@@ -6,7 +6,8 @@ import tempfile
 import paddle
 
 from ..fileio import commit_file
-from .checkpoint import load_paddle_file
+from ..checkpoint import load_paddle_file
+from ..checkpoint.layout import BACKBONE
 
 __all__ = ["export_backbone", "load_backbone_weights"]
 
@@ -14,7 +15,7 @@ __all__ = ["export_backbone", "load_backbone_weights"]
 def load_backbone_weights(backbone, path):
     """Load backbone weights from a checkpoint folder or a .pdparams file (a damaged file
     raises `CheckpointDamaged` naming it)."""
-    file = os.path.join(path, "backbone.pdparams") if os.path.isdir(path) else path
+    file = os.path.join(path, BACKBONE) if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder "
                                 "or a .pdparams file)")

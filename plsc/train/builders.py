@@ -1,43 +1,16 @@
-"""Parts of a training run built from a validated config."""
+"""Parts of a training run built from a validated config: the margin, the training set and
+the two optimizers (the backbone's and the head's sparse one)."""
 import os
 
 import paddle
 
-from .. import data as plsc_data
-from ..config import ConfigError
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..optim import SparseAdamW, SparseMomentum
-from ..runtime import keep_freed_memory, set_cpu_threads
+from ..runtime import open_dataset
 
-__all__ = ["select_device", "build_backbone", "build_margin_from_config", "build_train_dataset",
-           "build_backbone_optimizer", "build_head_optimizer"]
-
-DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "
-             "or try `configs/demo.yaml`, which generates synthetic identities")
-
-
-def select_device(name, cpu_threads=None):
-    """'auto' picks the GPU when Paddle has one, else the CPU. The threads of the CPU kernels
-    follow `plsc.runtime.cpu_threads` (`cpu_threads`: Global.cpu_threads); on the CPU, malloc
-    keeps freed memory for reuse (`plsc.runtime.keep_freed_memory`)."""
-    has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if name == "gpu" and not has_gpu:
-        raise ConfigError("Global.device is gpu but this Paddle build sees no GPU")
-    if name == "gpu" or (name == "auto" and has_gpu):
-        paddle.set_device(f"gpu:{int(os.environ.get('FLAGS_selected_gpus', '0').split(',')[0])}")
-    else:
-        paddle.set_device("cpu")
-        keep_freed_memory()
-    set_cpu_threads(cpu_threads)
-    return paddle.get_device()
-
-
-def build_backbone(cfg):
-    m = cfg["Model"]
-    from ..models import build_model
-    return build_model(m["name"], embedding_size=m["embedding_size"],
-                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"])
+__all__ = ["build_margin_from_config", "build_train_dataset", "build_backbone_optimizer",
+           "build_head_optimizer"]
 
 
 def build_margin_from_config(loss):
@@ -73,19 +46,8 @@ def build_train_dataset(cfg):
                 generate(root, image_size=size[0], **d["synthetic"])
             barrier()
         kind = "recordio"
-    if not os.path.exists(root):
-        raise ConfigError(f"Data.root {root} does not exist; {DATA_HELP}")
-    common = dict(image_size=size, train=True, num_classes=cfg["Loss"]["num_classes"],
-                  skip_bad=d["skip_bad"] > 0)
-    if kind == "recordio":
-        for name in ("train.rec", "train.idx"):
-            if not os.path.isfile(os.path.join(root, name)):
-                raise ConfigError(f"Data.root {root} has no {name}; {DATA_HELP}")
-        ds = plsc_data.RecordIODataset(root, **common)
-    elif kind == "folder":
-        ds = plsc_data.ImageFolderDataset(root, **common)
-    else:
-        ds = plsc_data.ImageListDataset(root, **common)
+    ds, _ = open_dataset(kind, root, size, train=True, num_classes=cfg["Loss"]["num_classes"],
+                         skip_bad=d["skip_bad"] > 0)
     ds.transform.flip_prob = 0.5 if flip else 0.0
     ds.transform.seed = int(seed)
     ds.transform.output = "uint8"  # normalised on the device by the trainer

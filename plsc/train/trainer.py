@@ -1,6 +1,5 @@
 """The training loop: data-parallel backbone, model-parallel head."""
 import contextlib
-import json
 import os
 
 import numpy as np
@@ -12,15 +11,17 @@ from ..config import ConfigError, dump_config
 from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
+from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
+                          load_head_rows_into, local_optimizer_state, portable_optimizer_state,
+                          remove_leftovers, restore_rng, save_best, training_meta)
+from ..checkpoint.layout import is_centre_array, state_array
+from ..data import PeerDataError
+from ..embedding import VerificationEvaluator
 from .amp import LossScaler, grads_finite
-from .builders import (build_backbone, build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
-                       build_train_dataset, select_device)
-from .checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
-                         load_head_rows_into, local_optimizer_state, portable_optimizer_state,
-                         remove_leftovers, restore_rng, save_best)
-from .evaluator import VerificationEvaluator
+from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
+                       build_train_dataset)
 from .logger import TrainLogger
-from .preemption import PeerDataError, Preempted, RankLost, StopSignals, peer_failure
+from .preemption import Preempted, RankLost, StopSignals, peer_failure
 
 __all__ = ["Trainer"]
 
@@ -72,8 +73,7 @@ class Trainer:
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
         g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
-        self.device = select_device(g["device"], g["cpu_threads"])
-        pd.init()
+        self.device = runtime.start(cfg)
         self.rank, self.world = pd.get_rank(), pd.get_world_size()
         self.output_dir = g["output_dir"]
         amp = cfg["AMP"]
@@ -98,7 +98,7 @@ class Trainer:
         self.global_batch = d["batch_size"] * self.world * self.accumulate
 
         m = cfg["Model"]
-        self.backbone = backbone if backbone is not None else build_backbone(cfg)
+        self.backbone = backbone if backbone is not None else runtime.build_backbone(cfg)
         if g["pretrained"]:
             self.backbone.set_state_dict(paddle.load(g["pretrained"]))
         loss = cfg["Loss"]
@@ -373,11 +373,10 @@ class Trainer:
         if head.bias is not None:
             arrays["bias"] = head.bias
         for key, value in self.head_opt.state_dict().items():
-            if key != "step_count":  # a scalar: meta.json's head_opt_step_count
-                arrays[f"opt.{key}"] = value
+            if key != "step_count":  # a scalar, kept in meta.json (`training_meta`)
+                arrays[state_array(key)] = value
         k = head.sub_centers
-        return {name: t.reshape([head.num_local, k, -1])
-                if k > 1 and (name == "weight" or name.startswith("opt.weight.")) else t
+        return {name: t.reshape([head.num_local, k, -1]) if k > 1 and is_centre_array(name) else t
                 for name, t in arrays.items()}
 
     def _margin_state(self):
@@ -391,15 +390,13 @@ class Trainer:
         pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
         arrays = self._head_arrays()
-        meta = {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "num_classes": head.num_classes, "embedding_size": head.embedding_size,
-                "shard_size": head.partition.shard_size, "sample_step": int(head.sample_step),
-                "sub_centers": head.sub_centers, "margin_state": self._margin_state(),
-                "head_arrays": sorted(arrays), "model": self.cfg["Model"]["name"],
-                "config": json.loads(json.dumps(self.cfg))}
-        # The steps the head optimizer applied: its 16-bit rounding draws bits from it, so a
-        # resumed run (in any dtype) continues the uninterrupted run's sequence.
-        meta["head_opt_step_count"] = int(self.head_opt.step_count)
+        meta = training_meta(epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
+                             num_classes=head.num_classes, embedding_size=head.embedding_size,
+                             shard_size=head.partition.shard_size,
+                             sample_step=int(head.sample_step), sub_centers=head.sub_centers,
+                             margin_state=self._margin_state(), head_arrays=arrays,
+                             model=self.cfg["Model"]["name"], config=self.cfg,
+                             head_opt_step_count=int(self.head_opt.step_count))
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
                          "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}

@@ -14,31 +14,15 @@ import os
 
 import numpy as np
 
-from ..data.errors import DataError
 from ..fileio import FileRecord, atomic_write, checksum_file
+from .errors import CheckpointDamaged, read_json
+from .layout import META
 
-__all__ = ["MANIFEST", "VERIFY_LEVELS", "CheckpointDamaged", "write_manifest", "read_manifest",
-           "read_json", "verify_checkpoint", "npy_problem"]
+__all__ = ["MANIFEST", "VERIFY_LEVELS", "write_manifest", "read_manifest", "verify_checkpoint",
+           "npy_problem"]
 
 MANIFEST = "manifest.json"
 VERIFY_LEVELS = ("full", "size", "none")
-
-
-class CheckpointDamaged(DataError):
-    """A checkpoint file is missing, cut short or corrupted; the message names it."""
-
-    def __init__(self, file, reason):
-        self.file, self.reason = file, reason
-        super().__init__(f"damaged checkpoint file {file}: {reason}")
-
-
-def read_json(file):
-    """The JSON object in checkpoint file `file`; `CheckpointDamaged` when it does not parse."""
-    try:
-        with open(file, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointDamaged(file, f"not valid JSON ({err})") from None
 
 
 def write_manifest(folder, records):
@@ -111,7 +95,7 @@ def verify_checkpoint(folder, level="full", share=(0, 1), only=None):
     `only`: check just these files (relative paths, e.g. ("backbone.pdparams",))."""
     if level not in VERIFY_LEVELS:
         raise ValueError(f"Checkpoint.verify must be one of {VERIFY_LEVELS}, got {level!r}")
-    meta_file = os.path.join(folder, "meta.json")
+    meta_file = os.path.join(folder, META)
     if not os.path.isfile(meta_file):
         raise CheckpointDamaged(meta_file, "missing (an incomplete checkpoint)")
     if level == "none":
@@ -128,9 +112,9 @@ def verify_checkpoint(folder, level="full", share=(0, 1), only=None):
             if problem:
                 raise CheckpointDamaged(os.path.join(folder, name), problem)
         return
-    if "meta.json" not in manifest:
+    if META not in manifest:
         raise CheckpointDamaged(os.path.join(folder, MANIFEST), "does not list meta.json")
-    _check(folder, "meta.json", manifest["meta.json"], level)
-    names = [n for n in sorted(manifest) if n != "meta.json" and (only is None or n in only)]
+    _check(folder, META, manifest[META], level)
+    names = [n for n in sorted(manifest) if n != META and (only is None or n in only)]
     for name in names[share[0]::share[1]]:
         _check(folder, name, manifest[name], level)

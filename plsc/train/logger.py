@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..metrics import roc_image
+from ..runtime import show_progress
 
 __all__ = ["TrainLogger"]
 
@@ -22,7 +23,7 @@ class TrainLogger:
     def __init__(self, output_dir, total_steps, interval, enabled=True, visualdl=True,
                  progress_bar=True):
         self.enabled, self.total, self.interval = enabled, int(total_steps), int(interval)
-        self.bar = enabled and progress_bar and sys.stdout.isatty()
+        self.bar = enabled and show_progress(setting=progress_bar, stream=sys.stdout)
         self._losses, self._samples = [], 0
         self._t0 = self._start = time.perf_counter()
         self._start_step = None

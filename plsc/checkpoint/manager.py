@@ -1,21 +1,7 @@
-"""Checkpoints that survive a kill in the middle of a save, a full disk, damaged files and a
-change of world size.
-
-Layout of `<output_dir>/checkpoints/step_00001234/`:
-
-    backbone.pdparams          backbone weights and buffers (rank 0)
-    trainer.pdstates           backbone optimizer + LR schedule + loss scaler (rank 0)
-    rng_rank{r}.pkl            Python, NumPy and Paddle RNG states of rank r, and its
-                               count of skipped bad samples (Data.skip_bad)
-    head_rank{r}/<name>.npy    rank r's rows of every class-indexed array: the
-                               weight, the bias and their optimizer state
-    meta.json                  step, epoch, partition, world size, ... (rank 0)
-    manifest.json              size and CRC-32 of every file above (rank 0, written last)
-
-The head arrays, their dtypes (meta.json `head_dtypes`), streamed saves and loads, re-sharding
-and export are `plsc.engine.head_store`'s; the manifest and the checks are
-`plsc.engine.manifest`'s. A head optimizer's scalar state is in meta.json
-(`head_opt_step_count`). Every file goes through `plsc.fileio`'s atomic writer.
+"""Saving and finding checkpoints so that they survive a kill in the middle of a save, a full
+disk, damaged files and a change of world size. The folder's layout and meta.json keys are
+`plsc.checkpoint.layout`'s; the head arrays `head_arrays`'; the manifest and its checks
+`manifest`'s. Every file goes through `plsc.fileio`'s atomic writer.
 
 A save: the ranks add up the bytes they are about to write and stop, all of them, when the
 disk cannot hold them; every rank writes into `step_XXXXXXXX.tmp`; the ranks exchange their
@@ -23,7 +9,7 @@ files' sizes and checksums (and any error); rank 0 writes meta.json and the mani
 the folder and rewrites `latest`. A failure on any rank makes every rank raise the same
 `CheckpointSaveError` (one line: what failed, free space against the checkpoint's size, the
 previous checkpoint) and the temporary folder is removed; `tools/train.py` exits with
-`IO_ERROR_EXIT_CODE`. A folder without `meta.json` or ending in `.tmp` is never loaded;
+`IO_ERROR_EXIT_CODE`. A folder without meta.json or ending in `.tmp` is never loaded;
 `remove_leftovers` deletes those of a crashed run.
 
 A resume (`agree_checkpoint`) verifies the checkpoint against its manifest
@@ -36,33 +22,23 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 
 import numpy as np
 import paddle
 
 from .. import distributed as pd
-from ..fileio import FileRecord, atomic_write, free_bytes, is_temporary
-from .head_store import (array_dtype, export_classifier, head_array_bytes, head_dtype,  # noqa: F401
-                         import_classifier, load_head_rows, load_head_rows_into, read_meta,
-                         reshard_checkpoint, save_rows_npy, write_rows_npy)
-from .manifest import CheckpointDamaged, verify_checkpoint, write_manifest
+from ..fileio import FOLDER_SUFFIX, FileRecord, atomic_write, commit_folder, free_bytes, is_temporary, temp_folder
+from .errors import CheckpointDamaged, CheckpointSaveError
+from .head_arrays import array_dtype, head_array_bytes, write_rows_npy
+from .layout import (BACKBONE, BEST_SUMMARY, LATEST, LEFTOVER_DIR, META, STEP_DIR, TRAINER,
+                     best_folder, head_dir, head_file, read_meta, rng_file, step_folder, with_written,
+                     write_meta)
+from .manifest import verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointManager", "find_checkpoint", "agree_checkpoint", "checkpoints_newest_first",
-           "remove_leftovers", "read_meta", "load_head_rows", "capture_rng", "restore_rng",
-           "portable_optimizer_state", "local_optimizer_state", "reshard_checkpoint",
-           "export_classifier", "import_classifier", "save_best", "save_rows_npy",
-           "load_head_rows_into", "head_dtype", "load_paddle_file", "verify_checkpoint",
-           "CheckpointDamaged", "CheckpointSaveError", "IO_ERROR_EXIT_CODE"]
-
-IO_ERROR_EXIT_CODE = 74  # EX_IOERR: an error while writing a file
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_LEFTOVER_DIR = re.compile(r"^(step_\d{8}|best_.+)\.(tmp|old)$")
-
-
-class CheckpointSaveError(Exception):
-    """A checkpoint could not be written (disk full, I/O error, permission): one line."""
+           "remove_leftovers", "capture_rng", "restore_rng", "portable_optimizer_state",
+           "local_optimizer_state", "save_best", "load_paddle_file"]
 
 
 def _human(n):
@@ -124,11 +100,11 @@ def local_optimizer_state(state, model):
 
 
 def checkpoints_newest_first(output_dir):
-    """The complete checkpoint folders (with meta.json) under `output_dir`, newest first."""
+    """The complete checkpoint folders (with their meta.json) under `output_dir`, newest first."""
     root = os.path.join(output_dir, "checkpoints")
     names = os.listdir(root) if os.path.isdir(root) else ()
     return [os.path.join(root, d) for d in sorted(names, reverse=True)
-            if _STEP_DIR.match(d) and os.path.isfile(os.path.join(root, d, "meta.json"))]
+            if STEP_DIR.match(d) and os.path.isfile(os.path.join(root, d, META))]
 
 
 def _none_found(path, output_dir):
@@ -216,7 +192,7 @@ def remove_leftovers(output_dir):
     for folder in (output_dir, os.path.join(output_dir, "checkpoints")):
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
             full = os.path.join(folder, name)
-            if os.path.isdir(full) and _LEFTOVER_DIR.match(name):
+            if os.path.isdir(full) and LEFTOVER_DIR.match(name):
                 shutil.rmtree(full, ignore_errors=True)
             elif os.path.isfile(full) and is_temporary(name):
                 os.remove(full)
@@ -240,7 +216,7 @@ def _previous(root, step):
     """Which checkpoint a resume would use instead of `step` (the newest other one whose
     files have their manifest's sizes), for messages."""
     for path in checkpoints_newest_first(os.path.dirname(root)):
-        if path.endswith(f"step_{step:08d}"):
+        if os.path.basename(path) == os.path.basename(step_folder(root, step)):
             continue
         try:
             verify_checkpoint(path, "size")
@@ -306,21 +282,19 @@ class CheckpointManager:
         kept beside its RNG states and returned by `load` with them. Raises `CheckpointSaveError` on every rank when
         any rank fails."""
         rank, world = pd.group_rank_size(self.group)
-        final = os.path.join(self.root, f"step_{step:08d}")
-        tmp = final + ".tmp"
+        final = step_folder(self.root, step)
+        tmp = final + FOLDER_SUFFIX
         state = _Save(self.root, f"checkpoint step {step}", lambda: _previous(self.root, step),
                       self.group)
-        files = {f"rng_rank{rank}.pkl": pickle.dumps(dict(capture_rng(), **(rank_state or {})))}
+        files = {rng_file(rank): pickle.dumps(dict(capture_rng(), **(rank_state or {})))}
         if rank == 0:
-            files["backbone.pdparams"] = _serialized(backbone_state)
-            files["trainer.pdstates"] = _serialized(trainer_state)
+            files[BACKBONE] = _serialized(backbone_state)
+            files[TRAINER] = _serialized(trainer_state)
         need = sum(len(b) for b in files.values()) + sum(
             head_array_bytes(a) + 128 for a in head_arrays.values()) + (64 << 10)  # + meta
         with state.part():
             if rank == 0:
-                if os.path.exists(tmp):
-                    shutil.rmtree(tmp)
-                os.makedirs(tmp)
+                temp_folder(final)
         infos = state.agree(tmp, {"need": need, "free": free_bytes(self.root)})
         state.need = sum(i["need"] for i in infos)
         free = infos[0]["free"]
@@ -332,11 +306,10 @@ class CheckpointManager:
                 f"{self.root} has {_human(free)} free; {_previous(self.root, step)}")
         records = {}
         with state.part():
-            head_dir = os.path.join(tmp, f"head_rank{rank}")
-            os.makedirs(head_dir, exist_ok=True)
+            os.makedirs(os.path.join(tmp, head_dir(rank)), exist_ok=True)
             for name, array in head_arrays.items():  # Paddle tensors are streamed, not copied
-                records[f"head_rank{rank}/{name}.npy"] = write_rows_npy(
-                    os.path.join(head_dir, f"{name}.npy"), array)[1]
+                records[head_file(rank, name)] = write_rows_npy(
+                    os.path.join(tmp, head_file(rank, name)), array)[1]
             for name, data in files.items():
                 records[name] = atomic_write(os.path.join(tmp, name), data)
         del files
@@ -350,23 +323,20 @@ class CheckpointManager:
     def _finish(self, tmp, final, step, meta, head_arrays, world, ranks_records):
         """Rank 0: meta.json, the manifest (last), the rename, `latest`, pruning."""
         records = {name: tuple(r) for part in ranks_records for name, r in part.items()}
-        meta = dict(meta, step=step, world_size=world, manifest=True,
-                    head_dtypes={n: array_dtype(a) for n, a in sorted(head_arrays.items())})
-        records["meta.json"] = atomic_write(os.path.join(tmp, "meta.json"),
-                                            json.dumps(meta, indent=1))
+        meta = with_written(meta, step=step, world_size=world,
+                            head_dtypes={n: array_dtype(a) for n, a in head_arrays.items()})
+        records[META] = write_meta(tmp, meta)
         write_manifest(tmp, {k: _record(v) for k, v in records.items()})
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        commit_folder(tmp, final)
         try:
-            atomic_write(os.path.join(self.root, "latest"), os.path.basename(final) + "\n")
+            atomic_write(os.path.join(self.root, LATEST), os.path.basename(final) + "\n")
         except OSError:
             shutil.rmtree(final, ignore_errors=True)  # as if the save never happened
             raise
         self._prune()
 
     def _prune(self):
-        done = sorted(d for d in os.listdir(self.root) if _STEP_DIR.match(d))
+        done = sorted(d for d in os.listdir(self.root) if STEP_DIR.match(d))
         for old in done[:-self.keep_last]:
             shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
 
@@ -375,16 +345,16 @@ class CheckpointManager:
         """(meta, backbone state, trainer state, rng state or None when the world size changed).
         A damaged file raises `CheckpointDamaged` naming it (whatever `Checkpoint.verify`)."""
         meta = read_meta(path)
-        backbone = load_paddle_file(os.path.join(path, "backbone.pdparams"))
-        trainer = load_paddle_file(os.path.join(path, "trainer.pdstates"))
+        backbone = load_paddle_file(os.path.join(path, BACKBONE))
+        trainer = load_paddle_file(os.path.join(path, TRAINER))
         rng = None
-        rng_file = os.path.join(path, f"rng_rank{rank}.pkl")
-        if meta["world_size"] == world_size and os.path.isfile(rng_file):
+        rng_path = os.path.join(path, rng_file(rank))
+        if meta["world_size"] == world_size and os.path.isfile(rng_path):
             try:
-                with open(rng_file, "rb") as f:
+                with open(rng_path, "rb") as f:
                     rng = pickle.load(f)
             except (pickle.UnpicklingError, EOFError, ValueError) as err:
-                raise CheckpointDamaged(rng_file, f"not a pickle ({err})") from None
+                raise CheckpointDamaged(rng_path, f"not a pickle ({err})") from None
         return meta, backbone, trainer, rng
 
 
@@ -409,8 +379,8 @@ def save_best(output_dir, target, step, report, backbone_state, group=None):
     """Keep `<output_dir>/best_<target>/` = the backbone at its best step and `best.json`.
     Called on every rank (rank 0 writes); a failure raises `CheckpointSaveError` on all."""
     rank, _ = pd.group_rank_size(group)
-    final = os.path.join(output_dir, f"best_{target}")
-    tmp = final + ".tmp"
+    final = best_folder(output_dir, target)
+    tmp = final + FOLDER_SUFFIX
     state = _Save(output_dir, f"best_{target} (step {step})",
                   lambda: f"the previous best_{target} is kept", group)
     with state.part():
@@ -419,17 +389,11 @@ def save_best(output_dir, target, step, report, backbone_state, group=None):
             state.need = len(data) + 4096
             if state.need > free_bytes(output_dir):
                 raise OSError(28, "not enough free space (checked before writing)", final)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
-            atomic_write(os.path.join(tmp, "backbone.pdparams"), data)
+            temp_folder(final)
+            atomic_write(os.path.join(tmp, BACKBONE), data)
             summary = {"target": target, "step": int(step),
                        **{k: v for k, v in report.items() if k not in ("far", "tar")}}
-            atomic_write(os.path.join(tmp, "best.json"), json.dumps(summary, indent=1))
-            old = final + ".old"
-            if os.path.exists(final):
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            atomic_write(os.path.join(tmp, BEST_SUMMARY), json.dumps(summary, indent=1))
+            commit_folder(tmp, final)
     state.agree(tmp)
     return final
