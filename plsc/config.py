@@ -148,7 +148,21 @@ SCHEMA = {
     "Model": {
         "name": _k(str, "IResNet50", "backbone name in plsc.models"),
         "embedding_size": _k(int, 512, "embedding width", low=1),
-        "dropout": _k(NUM, 0.0, "dropout before the embedding layer"),
+        "dropout": _k(NUM, 0.0, "dropout before the embedding layer (ViTs: after the position "
+                      "embedding, in the MLPs and after the attention projections)"),
+        "drop_path_rate": _k(NUM, None, "ViTs only: stochastic depth of the last block, rising "
+                             "linearly from 0 over the blocks; null: the model name's",
+                             nullable=True, low=0, high=1),
+        "mask_ratio": _k(NUM, None, "ViTs only: share of the tokens replaced by the learned mask "
+                         "token in training (int(L*(1-ratio)) kept); null: the model name's",
+                         nullable=True, low=0, high=1),
+        "patch_size": _k(int, None, "ViTs only: patch side in pixels, (H//p)*(W//p) tokens; "
+                         "null: the model name's (9: 144 tokens at 112x112)", nullable=True,
+                         low=1),
+        "recompute": _k(bool, None, "IResNets and ViTs: recompute each block's activations in "
+                        "the backward instead of keeping them (same results, less memory, a "
+                        "second forward); null: the model name's (arcface_torch's ViT-B/L/H: "
+                        "true)", nullable=True),
     },
     "Loss": {
         "margin": _k(str, "arcface", "arcface, cosface, sphereface, combined, adaface or softmax",
@@ -164,6 +178,10 @@ SCHEMA = {
                               low=0, high=1),
         "sub_centers": _k(int, 1, "centres per class (sub-center ArcFace; normalised margins); "
                           "a class's cosine is the largest of its centres'", low=1),
+        "interclass_filtering_threshold": _k(
+            NUM, 0.0, "arcface_torch's inter-class filtering for noisy data: a non-target class "
+            "whose cosine with a sample is above this gets logit 0 (still in the softmax's sum) "
+            "and no gradient, the target never; 0: off (normalised margins only)", low=0, high=1),
         "num_classes": _k(int, REQUIRED, "number of identities", low=1),
         "sample_ratio": _k(NUM, 1.0, "Partial FC ratio of class centres per step", above=0,
                             high=1),
@@ -308,6 +326,11 @@ def _check_combinations(cfg, source):
     if loss["sub_centers"] > 1 and loss["margin"] == "softmax":
         raise ConfigError(f"{source}: Loss.sub_centers={loss['sub_centers']} needs a normalised "
                           "margin (arcface, cosface, sphereface, combined or adaface), not softmax")
+    if loss["interclass_filtering_threshold"] > 0 and loss["margin"] == "softmax":
+        raise ConfigError(f"{source}: Loss.interclass_filtering_threshold="
+                          f"{loss['interclass_filtering_threshold']} filters cosines and needs a "
+                          "normalised margin (arcface, cosface, sphereface, combined or adaface), "
+                          "not softmax")
 
 
 def parse_override(text):

@@ -209,11 +209,23 @@ def start(cfg):
 
 
 def build_backbone(cfg):
-    """The backbone of `cfg['Model']` for `cfg['Data']['image_size']` images."""
-    from .models import build_model
+    """The backbone of `cfg['Model']` for `cfg['Data']['image_size']` images. The keys only some
+    backbones have (`Model.drop_path_rate`, `mask_ratio`, `patch_size`, `recompute`) override
+    the name's values when set; set for a backbone without them, they are a ConfigError naming
+    the key."""
+    from .config import ConfigError
+    from .models import build_model, model_options
     m = cfg["Model"]
+    options = {key: m[key] for key in ("drop_path_rate", "mask_ratio", "patch_size", "recompute")
+               if m.get(key) is not None}
+    for key, value in options.items():
+        if key not in model_options(m["name"]):
+            raise ConfigError(f"Model.{key}={value!r}: {m['name']} has no {key} (only "
+                              f"{'IResNets and ' if key == 'recompute' else ''}ViTs have it); "
+                              "leave it null")
     return build_model(m["name"], embedding_size=m["embedding_size"],
-                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"])
+                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"],
+                       **options)
 
 
 DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "

@@ -219,13 +219,28 @@ def subcenter_cos(xt, wt, sub_centers=1):
     return paddle.take_along_axis(cos, first, axis=2).squeeze(2)
 
 
-def oracle_logits(xt, wt, y, margin, sub_centers=1, q=None):
+def oracle_logits(xt, wt, y, margin, sub_centers=1, q=None, filter_threshold=0.0,
+                  filter_leaks=False):
     """Dense `[N, C]` logits (autograd tensors). `margin`: an `AdaFaceOracle` (with `q`, the
     per-sample scaler, `[N]` numpy) or a plsc CombinedMargin-family margin, whose formula
-    `s·(cos(m1·θ + m2) − m3)` is rewritten here from its parameters."""
+    `s·(cos(m1·θ + m2) − m3)` is rewritten here from its parameters.
+
+    `filter_threshold` > 0: arcface_torch's inter-class filtering (CombinedMarginLoss's
+    `interclass_filtering_threshold`), written from its definition: before the margin and the
+    scale, every non-target (class) cosine above the threshold is multiplied by a constant 0
+    (so its logit is 0 and it passes no gradient); the target's never. `filter_leaks`: a
+    wrong rule for the tests' coverage checks: the filtered cosines are 0 in value but pass
+    their gradient as if unfiltered."""
     cos = subcenter_cos(xt, wt, sub_centers)
     col = paddle.to_tensor(np.asarray(y, dtype="int64")).unsqueeze(1)
     onehot = F.one_hot(col.squeeze(1), cos.shape[1]).astype(cos.dtype)
+    if filter_threshold > 0:
+        keep = 1.0 - np.logical_and(cos.numpy() > filter_threshold, onehot.numpy() == 0)
+        keep = paddle.to_tensor(keep.astype(cos.numpy().dtype))
+        if filter_leaks:
+            cos = cos - (cos * (1.0 - keep)).detach()
+        else:
+            cos = cos * keep  # a constant: no gradient
     if isinstance(margin, AdaFaceOracle):
         s, m = margin.s, margin.m
         c = paddle.clip(cos, -1.0 + ADA_EPS, 1.0 - ADA_EPS)  # every class
@@ -243,16 +258,18 @@ def oracle_logits(xt, wt, y, margin, sub_centers=1, q=None):
     return onehot * target.unsqueeze(1) + (1.0 - onehot) * s * c
 
 
-def oracle_reference(x, y, w, margin, sub_centers=1, q=None, dtype="float64"):
+def oracle_reference(x, y, w, margin, sub_centers=1, q=None, dtype="float64",
+                     filter_threshold=0.0, filter_leaks=False):
     """Mean loss over the batch and its gradients w.r.t. x and w (`[C·K, d]`), as numpy; the
-    per-sample losses as "per_sample". Explicit log-softmax: no clamp at -64."""
+    per-sample losses as "per_sample". Explicit log-softmax: no clamp at -64.
+    `filter_threshold`, `filter_leaks`: inter-class filtering (`oracle_logits`)."""
     def leaf(a):
         t = paddle.to_tensor(np.asarray(a), dtype=dtype)
         t.stop_gradient = False
         return t
 
     xt, wt = leaf(x), leaf(w)
-    logits = oracle_logits(xt, wt, y, margin, sub_centers, q)
+    logits = oracle_logits(xt, wt, y, margin, sub_centers, q, filter_threshold, filter_leaks)
     col = paddle.to_tensor(np.asarray(y, dtype="int64")).unsqueeze(1)
     target = paddle.take_along_axis(logits, col, 1).squeeze(1)
     per_sample = paddle.logsumexp(logits, axis=1) - target
@@ -262,10 +279,11 @@ def oracle_reference(x, y, w, margin, sub_centers=1, q=None, dtype="float64"):
             "per_sample": per_sample.numpy()}
 
 
-def compare_oracle(got, x, y, w, margin, sub_centers=1, q=None, tol=1e-5):
+def compare_oracle(got, x, y, w, margin, sub_centers=1, q=None, tol=1e-5, filter_threshold=0.0):
     """As `compare`, against `oracle_reference`: {key: (error, allowed)} for loss, dx, dw."""
-    ref = oracle_reference(x, y, w, margin, sub_centers, q)
-    ref32 = oracle_reference(x, y, w, margin, sub_centers, q, dtype="float32")
+    ref = oracle_reference(x, y, w, margin, sub_centers, q, filter_threshold=filter_threshold)
+    ref32 = oracle_reference(x, y, w, margin, sub_centers, q, dtype="float32",
+                             filter_threshold=filter_threshold)
     return {key: (rel_err(got[key], ref[key]), max(tol, 2.0 * rel_err(ref32[key], ref[key])))
             for key in ("loss", "dx", "dw")}
 
@@ -452,3 +470,77 @@ def finite_difference_grads(loss, x, w, eps=1e-6):
             num[idx] = (up - down) / (2 * eps)
         out[key] = num
     return out
+
+
+# ---- Inter-class filtering (issue 23)
+#
+# arcface_torch's `interclass_filtering_threshold` (CombinedMarginLoss): non-target cosines
+# above the threshold become 0 before the margin and the scale, without gradient. The oracle
+# is `oracle_logits(..., filter_threshold=t)`; below, data that exercise it.
+
+FILTER_GAP = 1e-3  # no class cosine this close to the threshold: float32 and float64 agree
+
+
+def class_cosines(x, w, sub_centers=1):
+    """`[N, C]` float64 cosines of the embeddings `x` with the classes of `w` (`[C·K, d]`,
+    class-major): per class the largest of its K centres'."""
+    x64, w64 = np.asarray(x, "float64"), np.asarray(w, "float64")
+    cos = (x64 / np.linalg.norm(x64, axis=1, keepdims=True)) @ \
+        (w64 / np.linalg.norm(w64, axis=1, keepdims=True)).T
+    k = int(sub_centers)
+    return cos if k == 1 else cos.reshape(len(x64), -1, k).max(axis=2)
+
+
+def filtered_mask(x, y, w, threshold, sub_centers=1):
+    """`[N, C]` bool: the entries inter-class filtering removes (non-target, cosine > t)."""
+    cos = class_cosines(x, w, sub_centers)
+    onehot = np.zeros(cos.shape, dtype=bool)
+    onehot[np.arange(len(y)), np.asarray(y)] = True
+    return np.logical_and(cos > threshold, ~onehot)
+
+
+def make_conflict_case(seed, n, d, num_classes, threshold, sub_centers=1, antiparallel=False):
+    """x, y, w (`[C·K, d]`) for inter-class filtering at `threshold`. Every sample has a
+    "conflicting" identity: a second class (not its own) whose centre has cosine in
+    [t + 0.05, 0.9] with it, so it is filtered; its own class's cosine is above t for the even
+    samples (uniform in [t + 0.05, 0.7]: such targets must not be filtered) and below it for
+    the odd ones (uniform in [−0.3, t − 0.05]). Norms are uniform in [1, 10]. No class cosine
+    lies within FILTER_GAP of t. `antiparallel`: sample 1 points away from a centre of
+    a class not its own (cosine < −0.9999: AdaFace clamps it as well)."""
+    rng = np.random.RandomState(seed)
+    k = int(sub_centers)
+    w = rng.normal(0.0, 1.0, (num_classes * k, d)).astype("float32")
+    y = rng.randint(0, num_classes, n).astype("int64")
+    y[0], y[-1] = 0, num_classes - 1
+    x = np.empty((n, d), dtype="float32")
+    t = float(threshold)
+    for i in range(n):
+        while True:
+            u = _unit(w[y[i] * k + rng.randint(k)].astype("float64"))
+            other = rng.randint(num_classes - 1)
+            other += other >= y[i]
+            if antiparallel and i == 1:
+                v = _unit(w[other * k + rng.randint(k)].astype("float64"))
+                cand = -v + 0.005 * _unit(rng.normal(size=d))
+            else:
+                a = rng.uniform(t + 0.05, 0.7) if i % 2 == 0 else rng.uniform(-0.3, t - 0.05)
+                b = rng.uniform(t + 0.05, 0.9)
+                v = _unit(w[other * k + rng.randint(k)].astype("float64"))
+                uv = float(u @ v)
+                v_perp = v - uv * u
+                if np.linalg.norm(v_perp) < 0.1:
+                    continue
+                alpha, beta = a, (b - a * uv) / np.linalg.norm(v_perp)
+                if alpha * alpha + beta * beta >= 0.98:
+                    continue
+                r = rng.normal(size=d)
+                r -= (r @ u) * u
+                vp = _unit(v_perp)
+                r = _unit(r - (r @ vp) * vp)
+                cand = alpha * u + beta * vp + math.sqrt(1 - alpha * alpha - beta * beta) * r
+            cand = (rng.uniform(1.0, 10.0) * _unit(cand)).astype("float32")
+            cos = class_cosines(cand[None], w, k)[0]
+            if np.abs(cos - t).min() > FILTER_GAP:
+                x[i] = cand
+                break
+    return x, y, w

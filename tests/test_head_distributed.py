@@ -126,3 +126,20 @@ def test_adaface_and_subcenters_match_oracle(world_size, name, tmp_path_factory)
     errs = case(world_size, name, tmp_path_factory)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)
+
+
+def _filter_cases():
+    from head_ranks import FILTER_CASES, filter_case_name
+    return [filter_case_name(*c) for c in FILTER_CASES]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("name", _filter_cases())
+def test_interclass_filtering_matches_oracle(world_size, name, tmp_path_factory):
+    """Inter-class filtering (Partial FC 0.5 ArcFace; chunked CosFace with K = 2 sub-centres;
+    AdaFace, whose clamp shares the mask) against the float64 oracle on rank 0, every rank's
+    (sampled) classes holding filtered entries, targets above the threshold, and the filter
+    moving loss and gradients 100 times beyond the tolerance (head_ranks.check_filtered)."""
+    errs = case(world_size, name, tmp_path_factory)
+    for key, (err, allowed) in errs.items():
+        assert err <= allowed, (key, err, allowed)

@@ -5,6 +5,7 @@ from paddle import nn
 from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
                      normal_attr)
 from .prelu import PReLU
+from .recompute import run_blocks
 
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100",
            "iresnet200", "iresnet_tiny", "IRESNET_DEPTHS"]
@@ -65,11 +66,14 @@ class IResNet(nn.Layer):
             flattened size feeding the final Linear, `widths[-1] * ceil(H/16) * ceil(W/16)`.
         dropout: dropout probability before the final Linear.
         zero_init_residual: start each block's middle BN scale at 0 (insightface's option).
+        recompute: in training, recompute each block's activations in the backward instead of
+            keeping them (`plsc.models.recompute`); the results are the same.
     """
 
     def __init__(self, layers, widths=(64, 128, 256, 512), embedding_size=512,
-                 input_size=(112, 112), dropout=0.0, zero_init_residual=False):
+                 input_size=(112, 112), dropout=0.0, zero_init_residual=False, recompute=False):
         super().__init__()
+        self.recompute = bool(recompute)
         if len(layers) != 4 or len(widths) != 4:
             raise ValueError(f"IResNet needs 4 stages, got layers={layers!r}, widths={widths!r}")
         if min(layers) < 1:
@@ -110,8 +114,10 @@ class IResNet(nn.Layer):
         return nn.Sequential(*blocks)
 
     def forward(self, x):
-        x = self.prelu(self.bn1(self.conv1(x)))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        blocks = [(self.conv1, self.bn1, self.prelu)]  # the stem, at full resolution
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            blocks += list(stage)
+        x = run_blocks(blocks, x, self.recompute and self.training)
         x = self.dropout(self.bn2(x))
         x = paddle.flatten(x, start_axis=1)
         return self.features(self.fc(x))
@@ -121,9 +127,13 @@ class IResNet(nn.Layer):
         return count_parameters(self, trainable_only)
 
 
+OPTIONS = ("recompute",)  # constructor settings of the registry's (`plsc.models.model_options`)
+
+
 def _by_depth(depth):
     def build(**kwargs):
         return IResNet(IRESNET_DEPTHS[depth], **kwargs)
+    build.options = OPTIONS
     build.__name__ = f"iresnet{depth}"
     build.__doc__ = f"IResNet{depth}: stages {IRESNET_DEPTHS[depth]}; keyword args as `IResNet`."
     return build
@@ -139,3 +149,6 @@ iresnet200 = _by_depth(200)
 def iresnet_tiny(layers=(1, 1, 1, 1), widths=(16, 32, 64, 128), **kwargs):
     """A small IResNet for CPU demos (one block per stage, 16..128 channels)."""
     return IResNet(layers, widths=widths, **kwargs)
+
+
+iresnet_tiny.options = OPTIONS

@@ -24,8 +24,10 @@ target logit, log-probability) is float32.
 Sub-centres (K centres a class, class-major rows): a block's GEMM gives the `[N, K·width]`
 cosines of its centres; `_class_max` reduces them to the class logits and remembers the winning
 centre, `_to_centres` sends each class's gradient back to it. Margins with a `cos_clip`
-(AdaFace) clamp the non-target logits (`_clamp_`); those outside the clamp are in the softmax
-but get no gradient (`_zero_clamped_`).
+(AdaFace) clamp the non-target logits, and inter-class filtering (arcface_torch's
+`interclass_filtering_threshold`) sets the non-target logits whose cosine exceeds the
+threshold to 0 (`_filter_and_clamp_`); those entries are in the softmax but get no gradient
+(`_zero_clamped_`).
 
 The backward works a block (for wide blocks a slab of `_WGRAD_SLAB` classes, copied out of
 the block once) at a time: the embedding gradient is summed over them, and the weight gradient
@@ -43,11 +45,12 @@ state with named fields. The forward is a series of stages, gather → logits �
 target → loss (`_gather` … `_loss`). The backward goes back through them: loss, then a block
 at a time sum and max → target → logits, then gather (`_loss_grad` … `_gather_grad`).
 """
+import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import (copy_columns, exp_shifted_, remove_row_components_, row_dot,
-                           scale_columns_)
+from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_,
+                           remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from ..numerics import SLAB_BYTES, sqrt_exact, to_float32
@@ -57,6 +60,7 @@ __all__ = ["parallel_softmax_cross_entropy"]
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
 _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
+_MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
 
 def _rows_f32(t, start=0, stop=None):
@@ -71,6 +75,22 @@ def _inv_row_norms(weight):
     step = max(1, SLAB_BYTES // (4 * weight.shape[1]))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
                           for i in range(0, weight.shape[0], step)])
+
+
+def filter_bound(threshold, scale):
+    """The largest float32 logit L whose cosine as the head computes it, fl32(L / fl32(s)) (the
+    cosine the margin is given for a target), is not above fl32(threshold): so `L > bound` is
+    exactly "cosine > threshold", compared in float32 as arcface_torch compares its float32
+    cosines with the threshold, without dividing the block by s. (fl32(t·s) alone is not: for
+    an s that is not a power of two, a logit an ulp from it can fall on either side.)"""
+    t, s = np.float32(threshold), np.float32(scale)
+    up, down = np.float32(np.inf), np.float32(-np.inf)
+    bound = np.float32(np.float64(t) * np.float64(s))
+    while bound / s > t:  # numpy float32 division: correctly rounded, as Paddle's
+        bound = np.nextafter(bound, down)
+    while np.nextafter(bound, up) / s <= t:
+        bound = np.nextafter(bound, up)
+    return float(bound)
 
 
 def _row_norm(x):
@@ -90,6 +110,7 @@ class _Block:
         self.lo, self.hi = start * sub_centers, stop * sub_centers
         self.buffer = f"logits[{stop - start}]"  # workspace names: one buffer per block width
         self.centre_buffer = f"centres[{self.hi - self.lo}]"
+        self.mask_buffer = f"filtered[{stop - start}]"
         self.inside = paddle.logical_and(local_target >= start, local_target < stop)
         self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
         self.cos_t = self.pick = self.clamped = None
@@ -115,22 +136,24 @@ class _Step:
     this). The options are given; the forward's stages fill in the rest, the backward reads it.
 
     Options: `margin` (the gathered batch's after `_gather`), `group`, `chunk_size`,
-    `workspace`, `grad_into_weight`, `row_update`, `sub_centers`. The forward's: `n` (rows of
-    the batch), `weight`, `bias`, `blocks`, `need_x` and `need_w` (which inputs want a
+    `workspace`, `grad_into_weight`, `row_update`, `sub_centers`, `filter_above` (None, or
+    the largest logit whose cosine is not above the filtering threshold). The forward's: `n`
+    (rows of the batch), `weight`, `bias`, `blocks`, `need_x` and `need_w` (which inputs want a
     gradient); the batch as the logits read it: `features` (plain logits) or `x_norm`, `x_hat`,
     `x_scaled` = s·x̂ and `inv_w` = 1/|W| (cosines); `row_max`, `sum_exp` and, on the dense
     path, `exp_logits` (the block's logits, then E = exp(logit − max)). While the backward
     runs: `d_w` (the weight gradient's array), `sink` (where its rows go otherwise), `d_b`."""
 
     __slots__ = ("margin", "group", "chunk_size", "workspace", "grad_into_weight", "row_update",
-                 "sub_centers", "n", "weight", "bias", "blocks", "need_x", "need_w", "features",
-                 "x_norm", "x_hat", "x_scaled", "inv_w", "row_max", "sum_exp", "exp_logits",
-                 "d_w", "sink", "d_b", "__weakref__")  # a weak reference: the workspace's owner
+                 "sub_centers", "filter_above", "n", "weight", "bias", "blocks", "need_x",
+                 "need_w", "features", "x_norm", "x_hat", "x_scaled", "inv_w", "row_max",
+                 "sum_exp", "exp_logits", "d_w", "sink", "d_b",
+                 "__weakref__")  # a weak reference: the workspace's owner
 
     def __init__(self, margin, group, chunk_size, workspace, grad_into_weight, row_update,
-                 sub_centers):
+                 sub_centers, filter_above=None):
         self.margin, self.group, self.chunk_size = margin, group, chunk_size
-        self.workspace, self.sub_centers = workspace, sub_centers
+        self.workspace, self.sub_centers, self.filter_above = workspace, sub_centers, filter_above
         self.grad_into_weight, self.row_update = grad_into_weight, row_update
         self.n = self.weight = self.bias = self.blocks = self.need_x = self.need_w = None
         self.features = self.x_norm = self.x_hat = self.x_scaled = self.inv_w = None
@@ -138,8 +161,8 @@ class _Step:
         self.d_w = self.sink = self.d_b = None
 
 
-def _lend(step, name, shape):
-    return step.workspace.lend(name, shape, step) if step.workspace is not None else None
+def _lend(step, name, shape, dtype="float32"):
+    return step.workspace.lend(name, shape, step, dtype) if step.workspace is not None else None
 
 
 def _class_max(step, block, cos):
@@ -170,23 +193,64 @@ def _to_centres(step, block, buf):
     return out
 
 
-def _clamp_(margin, block, logits, plain):
-    """Clamp the non-target logits to s·[−cos_clip, cos_clip] in place (margins with a
-    `cos_clip`), remembering which were outside: their gradient is zero (`_zero_clamped_`).
-    Returns the entries at the target columns now (`plain` when nothing was clamped)."""
-    if margin.cos_clip is None:
+def _filter_and_clamp_(step, block, logits, plain):
+    """The non-target logits, in place: inter-class filtering (`step.filter_above`) sets those
+    whose cosine is above the threshold to 0, then a margin's `cos_clip` clamps the rest to
+    s·[−cos_clip, cos_clip]. `block.clamped` remembers which entries either changed: they stay
+    in the softmax's sum but their gradient is zero (`_zero_clamped_`). The target entries are
+    neither filtered nor clamped. Returns the entries at the target columns now (`plain` when
+    neither applies: then nothing here runs)."""
+    margin, above = step.margin, step.filter_above
+    if margin.cos_clip is None and above is None:
         return plain
-    bound = margin.scale * margin.cos_clip
-    block.put_(logits, paddle.zeros_like(plain), plain)  # the target entries are not clamped
-    block.clamped = paddle.logical_or(logits > bound, logits < -bound)
-    logits.clip_(-bound, bound)
+    block.put_(logits, paddle.zeros_like(plain), plain)  # 0: below any bound, not clamped
+    frozen = _filter_(step, block, logits) if above is not None else None
+    if margin.cos_clip is not None:
+        bound = margin.scale * margin.cos_clip
+        clamped = paddle.logical_or(logits > bound, logits < -bound)
+        logits.clip_(-bound, bound)
+        frozen = clamped if frozen is None else paddle.logical_or(frozen, clamped, out=frozen)
+    block.clamped = frozen
     return block.take(logits)
 
 
-def _zero_clamped_(block, exp_logits):
-    if block.clamped is not None:
-        exp_logits.masked_fill_(block.clamped, 0.0)
-        block.clamped = None
+def _filter_(step, block, logits):
+    """Inter-class filtering, in place: the entries of the block's `logits` above
+    `step.filter_above` (a float32 bound, so the float32 comparison is exactly "cosine >
+    threshold", see `filter_bound`) become 0. Returns the `[N, width]` bool mask of them, in the
+    workspace's buffer when it lends one. On the CPU one numpy pass over the block, a slab of
+    rows at a time (the entries are multiplied by "not filtered": a masked write branches on a
+    random mask and takes four times as long)."""
+    mask = _lend(step, block.mask_buffer, logits.shape, "bool")
+    if not (applies(logits) and logits.is_contiguous()):
+        above = logits > step.filter_above
+        logits.masked_fill_(above, 0.0)
+        return above if mask is None else paddle.assign(above, mask)
+    mask = paddle.empty(logits.shape, dtype=paddle.bool) if mask is None else mask
+    a, m, bound = as_numpy(logits), as_numpy(mask), np.float32(step.filter_above)
+
+    def rows(lo, hi):
+        np.greater(a[lo:hi], bound, out=m[lo:hi])
+        a[lo:hi] *= ~m[lo:hi]  # the filtered entries are finite and positive: exactly +0
+    run_rows(rows, a.shape[0], max(1, _MASK_SLAB // a.shape[1]))
+    return mask
+
+
+def _zero_clamped_(step, block, exp_logits):
+    """Zero where `block.clamped` (filtered or clamped entries: no gradient), then drop it."""
+    mask = block.clamped
+    if mask is None:
+        return
+    if applies(exp_logits) and exp_logits.is_contiguous() and mask.place.is_cpu_place():
+        e, m = as_numpy(exp_logits), as_numpy(mask)
+
+        def rows(lo, hi):
+            e[lo:hi] *= ~m[lo:hi]  # E is finite and >= 0: exactly +0 where masked
+        run_rows(rows, e.shape[0], max(1, _MASK_SLAB // e.shape[1]))
+    else:
+        exp_logits.masked_fill_(mask, 0.0)
+    block.clamped = None
+    _give_back(step, block.mask_buffer)
 
 
 def _block_logits(step, block, w, bias):
@@ -204,7 +268,7 @@ def _block_logits(step, block, w, bias):
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
         target_logit = margin.target_logit(block.cos_t)
-        block.put_(logits, target_logit, _clamp_(margin, block, logits, plain))
+        block.put_(logits, target_logit, _filter_and_clamp_(step, block, logits, plain))
     else:
         logits = paddle.matmul(step.features, w, transpose_y=True,
                                out=_lend(step, block.buffer, [step.n, block.stop - block.start]))
@@ -256,7 +320,7 @@ def _logits(step, dtype):
         run_sum = run_sum * paddle.exp(run_max - new_max) + block_sum
         run_max = new_max
         del logits, w
-        _give_back(step, block.buffer, block.centre_buffer)
+        _give_back(step, block.buffer, block.centre_buffer, block.mask_buffer)
     return target_logit, run_max, run_sum
 
 
@@ -274,7 +338,7 @@ def _sum(step, local_max, local_sum):
     if step.exp_logits is not None:
         step.sum_exp = all_reduce_(exp_shifted_(step.exp_logits, step.row_max)[1], "sum",
                                    step.group)
-        _zero_clamped_(step.blocks[0], step.exp_logits)
+        _zero_clamped_(step, step.blocks[0], step.exp_logits)
     else:
         step.sum_exp = all_reduce_(local_sum * paddle.exp(local_max - step.row_max), "sum",
                                    step.group)
@@ -329,7 +393,7 @@ def _sum_grad(step, block, w):
         return buf
     buf, _ = _block_logits(step, block, w, step.bias)
     exp_shifted_(buf, step.row_max, want_sum=False)
-    _zero_clamped_(block, buf)
+    _zero_clamped_(step, block, buf)
     return buf
 
 
@@ -476,7 +540,8 @@ class _ParallelSoftmaxCE(PyLayer):
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
                                    chunk_size=None, workspace=None, grad_into_weight=False,
-                                   row_update=None, sub_centers=1):
+                                   row_update=None, sub_centers=1,
+                                   interclass_filtering_threshold=0.0):
     """Per-sample softmax cross entropy with classes split across ranks.
 
     Args:
@@ -506,6 +571,11 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
             largest of its K centres', and its gradient goes to that centre (the first of
             equal ones; equal as computed: the GEMM may round two identical centres' cosines
             an ulp apart, depending on their position in the block). `chunk_size` counts classes, so a block holds K·chunk_size cosines.
+        interclass_filtering_threshold: inter-class filtering (arcface_torch's noisy-data
+            recipe; normalised margins only): 0 is off; above 0, every non-target entry whose
+            cosine (float32; with sub-centres the class's, the largest of its K) is above it
+            gets logit 0 before the margin and the scale: it still adds exp(0 − max) to the
+            softmax's sum, but no gradient. Target entries are never filtered.
 
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
@@ -522,7 +592,14 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
         raise ValueError(f"sub-centres need a normalised margin (a cosine per centre), not {margin}")
     if chunk_size is not None and int(chunk_size) * sub_centers >= weight.shape[0]:
         chunk_size = None
-    step = _Step(margin, group, chunk_size, workspace, grad_into_weight, row_update, sub_centers)
+    filter_above = None
+    if interclass_filtering_threshold > 0:  # as arcface_torch: above 0 is on
+        if not margin.normalized:
+            raise ValueError(f"interclass_filtering_threshold={interclass_filtering_threshold} "
+                             f"needs a normalised margin (it filters cosines), not {margin}")
+        filter_above = filter_bound(interclass_filtering_threshold, margin.scale)
+    step = _Step(margin, group, chunk_size, workspace, grad_into_weight, row_update, sub_centers,
+                 filter_above)
     # Paddle matches the backward's gradients to the tensors in the order they are passed here
     # (features, weight, bias, local_target), keywords included.
     return _ParallelSoftmaxCE.apply(features=features, weight=weight, bias=bias,

@@ -1,5 +1,6 @@
 """PartialFC: the class-sharded classification head."""
 import math
+import numbers
 
 import paddle
 from paddle import nn
@@ -54,6 +55,13 @@ class PartialFC(nn.Layer):
             `weight` is `[num_local·K, d]`, local class j's centres are rows j·K … j·K + K − 1,
             and a class's cosine is the largest of its centres'. Partial FC samples classes
             (`sampled_index`), each bringing its K rows (`sampled_rows`).
+        interclass_filtering_threshold: t, arcface_torch's inter-class filtering for noisy
+            data (normalised margins only; 0, the default, is off). Each step, every
+            non-target class whose cosine with a sample is above t (float32, as arcface_torch
+            compares; with sub-centres the class's cosine, the largest of its K) gets logit 0
+            for that sample, before the margin and the scale: it stays in the softmax's sum
+            as exp(0 − max) but passes no gradient. A sample's own class is never filtered.
+            With Partial FC it applies to the sampled classes (the only ones with logits).
         group: process group that shares the classes (default: the world).
         init_std: standard deviation of the normal initialisation of the centres.
         check_inputs: True: validate labels and batch sizes across ranks every step
@@ -71,7 +79,7 @@ class PartialFC(nn.Layer):
     def __init__(self, embedding_size, num_classes, margin=None, sample_ratio=1.0, seed=0,
                  group=None, init_std=0.01, check_inputs=True, chunk_size="auto",
                  logits_budget=2 << 30, reuse_buffers=True, param_dtype="float32",
-                 sub_centers=1):
+                 sub_centers=1, interclass_filtering_threshold=0.0):
         super().__init__()
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
@@ -110,6 +118,14 @@ class PartialFC(nn.Layer):
             raise ValueError(f"sub_centers={sub_centers} needs a normalised margin (a cosine per "
                              f"centre), not {margin}")
         self.sub_centers = sub_centers
+        t = interclass_filtering_threshold
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0.0 <= t <= 1.0:
+            raise ValueError(f"interclass_filtering_threshold must be a number in [0, 1] (0: off), "
+                             f"got {t!r}")
+        if t > 0 and not margin.normalized:
+            raise ValueError(f"interclass_filtering_threshold={t} needs a normalised margin (it "
+                             f"filters cosines), not {margin}")
+        self.interclass_filtering_threshold = float(t)
         self.weight = _normal_parameter(self, [self.num_local * sub_centers, self.embedding_size],
                                         init_std, param_dtype)
         self.bias = None
@@ -139,11 +155,11 @@ class PartialFC(nn.Layer):
         weight, bias, local_target = self._select_centres(local_target)
         features = all_gather(embeddings.astype("float32"), self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
-        losses = parallel_softmax_cross_entropy(features, weight, bias, local_target, self.margin,
-                                                self.group, self.last_chunk_size, self.workspace,
-                                                grad_into_weight=weight is self.sampled_weight,
-                                                row_update=self.row_update,
-                                                sub_centers=self.sub_centers)
+        losses = parallel_softmax_cross_entropy(
+            features, weight, bias, local_target, self.margin, self.group, self.last_chunk_size,
+            self.workspace, grad_into_weight=weight is self.sampled_weight,
+            row_update=self.row_update, sub_centers=self.sub_centers,
+            interclass_filtering_threshold=self.interclass_filtering_threshold)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
         return losses.mean()
@@ -268,7 +284,9 @@ class PartialFC(nn.Layer):
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}"
-                + (f", sub_centers={self.sub_centers}" if self.sub_centers > 1 else ""))
+                + (f", sub_centers={self.sub_centers}" if self.sub_centers > 1 else "")
+                + (f", interclass_filtering_threshold={self.interclass_filtering_threshold}"
+                   if self.interclass_filtering_threshold else ""))
 
 
 def _normal_parameter(layer, shape, std, dtype):

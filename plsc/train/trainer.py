@@ -108,6 +108,7 @@ class Trainer:
                               chunk_size="auto" if loss["chunk_size"] is None else loss["chunk_size"],
                               logits_budget=int(loss["logits_budget_mb"] * (1 << 20)),
                               param_dtype=loss["param_dtype"], sub_centers=loss["sub_centers"],
+                              interclass_filtering_threshold=loss["interclass_filtering_threshold"],
                               check_inputs="labels")  # the sampler makes equal batches
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
