@@ -8,7 +8,7 @@ import sys
 
 from .config import ConfigError, load_config
 
-__all__ = ["config_parser", "run_tool", "DATA_ERROR_EXIT_CODE"]
+__all__ = ["config_parser", "add_onnx_options", "run_tool", "DATA_ERROR_EXIT_CODE"]
 
 DATA_ERROR_EXIT_CODE = 65  # EX_DATAERR: an input file is malformed
 
@@ -18,6 +18,23 @@ def config_parser(description, override_example="-o Global.checkpoint=latest"):
     parser.add_argument("-c", "--config", required=True, help="YAML config, e.g. configs/demo.yaml")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help=f"override a config value (repeatable), e.g. {override_example}")
+    return parser
+
+
+def add_onnx_options(parser, group=None):
+    """`--onnx FILE` (into `group`, e.g. a mutually exclusive one, when given) and `--onnx-input`
+    of the evaluation tools (plsc.apps.onnx_backbone); the choices are repeated here so that
+    --help does not import Paddle."""
+    (group or parser).add_argument(
+        "--onnx", metavar="FILE",
+        help="run this ONNX model (onnxruntime, CPU) instead of the config's backbone; Model and "
+             "Global.checkpoint/pretrained are then not read, and the file's fixed input size "
+             "replaces Data.image_size")
+    parser.add_argument("--onnx-input", default="rgb", choices=("rgb", "bgr", "rgb255", "bgr255"),
+                        help="what the ONNX file expects: rgb (default; RGB, (x - 127.5) / 127.5, as "
+                             "insightface's model zoo, e.g. buffalo_l, and plsc's own export), bgr (the "
+                             "same in BGR order), rgb255 / bgr255 (pixel values 0..255, e.g. "
+                             "insightface's MXNet-converted files)")
     return parser
 
 

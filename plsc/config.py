@@ -140,7 +140,8 @@ SCHEMA = {
         "checkpoint": _k(str, None, "checkpoint to resume from: a folder, 'latest' (the newest "
                          "in output_dir) or 'auto' (the newest if any, else start fresh)",
                          nullable=True),
-        "pretrained": _k(str, None, "backbone weights (.pdparams) to start from", nullable=True),
+        "pretrained": _k(str, None, "backbone weights to start from: plsc's .pdparams or "
+                         "arcface_torch's .pt/.pth (docs/weights.md)", nullable=True),
         "cpu_threads": _k(int, None, "CPU threads per rank; null: the rank's usable cores divided "
                           "by the ranks on its node (an OMP_NUM_THREADS above 1 is kept)",
                           nullable=True, low=1),

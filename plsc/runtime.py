@@ -25,7 +25,7 @@ import warnings
 
 __all__ = ["blas_dispatch", "BLAS_NOTE", "THREADS_NOTE", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE",
-           "select_device", "start", "build_backbone", "open_dataset", "DATA_HELP",
+           "select_device", "start", "build_backbone", "load_pretrained", "open_dataset", "DATA_HELP",
            "show_progress", "progress"]
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
@@ -226,6 +226,26 @@ def build_backbone(cfg):
     return build_model(m["name"], embedding_size=m["embedding_size"],
                        input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"],
                        **options)
+
+
+def load_pretrained(backbone, path):
+    """Global.pretrained: set `backbone`'s weights from a plsc `.pdparams` file, or from an
+    arcface_torch file (torch's format: a `.pt`/`.pth` name or a zip archive), read without
+    torch by `plsc.models.from_insightface`, which checks every key and shape; a mismatch is a
+    ConfigError of one line naming the keys. Returns `path`."""
+    from .config import ConfigError
+    from .models.insightface import from_insightface, is_torch_file
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Global.pretrained: no file {path}")
+    if is_torch_file(path):
+        try:
+            from_insightface(backbone, path)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"Global.pretrained: {err}") from None
+    else:
+        from .checkpoint import load_paddle_file
+        backbone.set_state_dict(load_paddle_file(path))
+    return path
 
 
 DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "

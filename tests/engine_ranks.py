@@ -82,7 +82,7 @@ def gather_head(trainer, name):
     return rows
 
 
-def run(mode, data, out, dtype, resumes):
+def run(mode, data, out, dtype, resumes, config_backbone=False):
     import paddle
     from engine_common import config, make_backbone
     from plsc.distributed import get_rank, get_world_size, init
@@ -108,7 +108,7 @@ def run(mode, data, out, dtype, resumes):
         dtype, checkpoint = rest.split(":", 1)
         cfg = config(data, os.path.join(out, f"run_{tag}"), Global={"checkpoint": checkpoint},
                      Loss={"param_dtype": dtype})
-        trainer = Trainer(cfg, backbone=make_backbone(0))
+        trainer = Trainer(cfg, backbone=None if config_backbone else make_backbone(0))
         result = {"head": gather_head(trainer, "weight"),
                   "velocity": gather_head(trainer, "weight.velocity"),
                   "step": trainer.step, "step_count": trainer.head_opt.step_count,
@@ -131,10 +131,12 @@ def main():
     p.add_argument("--dtype", default="float32", help="Loss.param_dtype of an invariant run")
     p.add_argument("--resume", action="append", default=[], metavar="TAG=DTYPE:CKPT",
                    help="resume mode: a checkpoint to resume into Loss.param_dtype DTYPE")
+    p.add_argument("--config-backbone", action="store_true",
+                   help="resume mode: the config's backbone (Model.name) instead of FlatNet")
     a = p.parse_args()
     if a.mode == "resume" and not a.resume:
         p.error("--mode resume needs at least one --resume TAG=DTYPE:CKPT")
-    args = (a.mode, a.data, a.out, a.dtype, a.resume)
+    args = (a.mode, a.data, a.out, a.dtype, a.resume, a.config_backbone)
     if a.nprocs == 1:
         return run(*args)
     import paddle.distributed as dist

@@ -2,22 +2,26 @@
 
     python tools/eval.py -c configs/arcface_r50.yaml -o Global.checkpoint=latest
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval.py -c CONFIG -o Global.pretrained=backbone.pdparams
+    python tools/eval.py -c configs/arcface_r50.yaml --onnx buffalo_l/w600k_r50.onnx
 """
 import sys
 
-from plsc.cli import config_parser, run_tool
+from plsc.cli import add_onnx_options, config_parser, run_tool
 
 
-def evaluate(cfg):
+def evaluate(cfg, args):
     from plsc.apps.tasks import evaluate as evaluate_task
-    evaluate_task(cfg)
+    evaluate_task(cfg, onnx=args.onnx, onnx_input=args.onnx_input)
 
 
 def main(argv=None):
     parser = config_parser("Verify a trained backbone (LFW protocol: 10-fold accuracy, TAR@FAR, ROC "
                            "curve written to Global.output_dir/roc.png). Weights: Global.checkpoint "
-                           "(a folder or 'latest') or Global.pretrained (.pdparams).")
-    return run_tool(parser.parse_args(argv), evaluate)
+                           "(a folder or 'latest') or Global.pretrained (.pdparams, or an "
+                           "arcface_torch .pt/.pth), or --onnx FILE.")
+    add_onnx_options(parser)
+    args = parser.parse_args(argv)
+    return run_tool(args, evaluate, args)
 
 
 if __name__ == "__main__":

@@ -4,27 +4,32 @@
         -o Global.checkpoint=latest
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval_ijb.py -c CONFIG \
         --root IJB_release/IJBB --target IJBB -o Global.pretrained=backbone.pdparams
+    python tools/eval_ijb.py -c configs/arcface_r50.yaml --root IJB_release/IJBC --target IJBC \
+        --onnx buffalo_l/w600k_r50.onnx
 """
 import sys
 
-from plsc.cli import config_parser, run_tool
+from plsc.cli import add_onnx_options, config_parser, run_tool
 
 
 def evaluate(cfg, args):
     from plsc.apps.ijb import evaluate_ijb
     evaluate_ijb(cfg, args.root, args.target, features=args.features, save_features=args.save_features,
-                 detector_score=not args.no_detector_score, normalize_images=args.normalize_images)
+                 detector_score=not args.no_detector_score, normalize_images=args.normalize_images,
+                 onnx=args.onnx, onnx_input=args.onnx_input)
 
 
 def main(argv=None):
     parser = config_parser("IJB-B/IJB-C template verification (insightface's protocol and layout "
                            "ROOT/meta, ROOT/loose_crop). Prints TAR at FAR 1e-6 .. 1e-1 and the AUC; "
                            "writes <target>_result.json, <target>_scores.npy and <target>_roc.png (target "
-                           "in lower case: ijbc_result.json, ...) to Global.output_dir. Weights: Global.checkpoint or Global.pretrained.")
+                           "in lower case: ijbc_result.json, ...) to Global.output_dir. Weights: "
+                           "Global.checkpoint or Global.pretrained, or --onnx FILE.")
     parser.add_argument("--root", required=True, help="the target's folder, e.g. IJB_release/IJBC")
     parser.add_argument("--target", required=True, choices=("IJBC", "IJBB"), type=str.upper,
                         help="the protocol: reads ROOT/meta/<ijbc|ijbb>_*.txt")
-    parser.add_argument("--features", metavar="F.npy",
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--features", metavar="F.npy",
                         help="read the image features from F.npy instead of running the backbone")
     parser.add_argument("--save-features", metavar="F.npy",
                         help="write the [num_images, d] float32 image features (order of "
@@ -33,6 +38,7 @@ def main(argv=None):
                         help="do not weight image features by their detector score")
     parser.add_argument("--normalize-images", action="store_true",
                         help="L2-normalise each image feature before pooling")
+    add_onnx_options(parser, source)
     args = parser.parse_args(argv)
     return run_tool(args, evaluate, args)
 

@@ -6,20 +6,22 @@ import tempfile
 import paddle
 
 from ..fileio import commit_file
-from ..checkpoint import load_paddle_file
 from ..checkpoint.layout import BACKBONE
+from ..runtime import load_pretrained
 
 __all__ = ["export_backbone", "load_backbone_weights"]
 
 
 def load_backbone_weights(backbone, path):
-    """Load backbone weights from a checkpoint folder or a .pdparams file (a damaged file
-    raises `CheckpointDamaged` naming it)."""
+    """Load backbone weights from a checkpoint folder, a .pdparams file or an arcface_torch
+    .pt/.pth file (`plsc.runtime.load_pretrained`; a damaged .pdparams raises
+    `CheckpointDamaged` naming it, arcface_torch weights that do not fit a ConfigError naming
+    the keys)."""
     file = os.path.join(path, BACKBONE) if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder "
-                                "or a .pdparams file)")
-    backbone.set_state_dict(load_paddle_file(file))
+        raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder, "
+                                "a .pdparams file or arcface_torch's .pt/.pth)")
+    load_pretrained(backbone, file)
     return file
 
 

@@ -20,7 +20,7 @@ from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from ..embedding import embedding_size, gather_shares, rank_share, share_batches
 from .. import runtime
 from ..runtime import progress as draw_progress, show_progress
-from .tasks import trained_backbone
+from .tasks import evaluation_model
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "format_ijb_table",
            "evaluate_ijb"]
@@ -107,18 +107,20 @@ def _log_visualdl(logdir, result, image, step):
 
 
 def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_score=True,
-                 normalize_images=False, backbone=None, out=None, progress=None, step=0):
+                 normalize_images=False, backbone=None, out=None, progress=None, step=0, onnx=None,
+                 onnx_input="rgb"):
     """1:1 template verification of `target` ('IJBC' or 'IJBB') under `root` (the folder
     with meta/ and loose_crop/).
 
     Image features come from `features` (a .npy written by `save_features`) or from
     the config's trained backbone (Global.checkpoint / Global.pretrained) at
-    Data.image_size, Eval.batch_size, Data.num_workers. `detector_score` weights each
-    image by its detector score, `normalize_images` L2-normalises image features
-    first. `progress`: a bar of rank 0's share on stderr (default: Logging.progress_bar
-    and stderr is a terminal); `step`: the VisualDL step. Returns (on every rank) the
-    result: target, num_images, num_templates, num_pairs, tar_at_far {str(FAR): TAR},
-    auc, the options, and the arrays scores, far, tar.
+    Data.image_size, Eval.batch_size, Data.num_workers, or from the ONNX file `onnx` fed as
+    `onnx_input` says (`plsc.apps.onnx_backbone`; its fixed input size replaces
+    Data.image_size). `detector_score` weights each image by its detector score,
+    `normalize_images` L2-normalises image features first. `progress`: a bar of rank 0's
+    share on stderr (default: Logging.progress_bar and stderr is a terminal); `step`: the
+    VisualDL step. Returns (on every rank) the result: target, num_images, num_templates,
+    num_pairs, tar_at_far {str(FAR): TAR}, auc, the options, and the arrays scores, far, tar.
     """
     out = sys.stdout if out is None else out
     runtime.start(cfg)
@@ -128,7 +130,7 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
         feats = load_ijb_features(features, meta)
     else:
         check_ijb_images(meta)
-        model = trained_backbone(cfg, backbone)
+        cfg, model = evaluation_model(cfg, backbone, onnx, onnx_input)
         show = show_progress(progress, cfg["Logging"]["progress_bar"], pd.get_rank())
         feats = extract_ijb_features(model, meta, cfg["Data"]["image_size"], cfg["Eval"]["batch_size"],
                                      cfg["Data"]["num_workers"], progress=show)

@@ -13,13 +13,14 @@ from ..embedding import VerificationEvaluator, embed
 from ..metrics import save_roc_png
 from ..runtime import build_backbone, open_dataset, progress as draw_progress, select_device, show_progress, start
 from .export import export_backbone, load_backbone_weights
+from .onnx_backbone import onnx_backbone
 
-__all__ = ["trained_backbone", "evaluate", "format_table", "export", "extract"]
+__all__ = ["trained_backbone", "evaluation_model", "evaluate", "format_table", "export", "extract"]
 
 
 def trained_backbone(cfg, backbone=None):
     """The config's backbone with the weights of Global.checkpoint ('latest' or a folder)
-    or else Global.pretrained (.pdparams), in eval mode."""
+    or else Global.pretrained (.pdparams, or arcface_torch's .pt/.pth), in eval mode."""
     select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     g = cfg["Global"]
     backbone = backbone if backbone is not None else build_backbone(cfg)
@@ -36,9 +37,19 @@ def trained_backbone(cfg, backbone=None):
         found = (f" (Global.checkpoint=auto found none under {g['output_dir']})"
                  if g["checkpoint"] == "auto" else "")
         raise ConfigError(f"no weights to use{found}: set Global.checkpoint (a checkpoint folder "
-                          "or 'latest') or Global.pretrained (a .pdparams file)")
+                          "or 'latest') or Global.pretrained (a .pdparams file or "
+                          "arcface_torch's .pt/.pth)")
     backbone.eval()
     return backbone
+
+
+def evaluation_model(cfg, backbone=None, onnx=None, onnx_input="rgb"):
+    """(cfg, model) for the tools: the ONNX file `onnx` fed as `onnx_input` says, with the
+    file's fixed input size as Data.image_size (`plsc.apps.onnx_backbone`), or else the
+    config's trained backbone (`trained_backbone`) and the config as it is."""
+    if onnx:
+        return onnx_backbone(cfg, onnx, onnx_input)
+    return cfg, trained_backbone(cfg, backbone)
 
 
 def format_table(reports):
@@ -53,15 +64,18 @@ def format_table(reports):
     return "\n".join(rows)
 
 
-def evaluate(cfg, backbone=None, out=sys.stdout):
-    """Verify every Eval target; rank 0 prints a table and writes roc.png to output_dir."""
+def evaluate(cfg, backbone=None, out=None, onnx=None, onnx_input="rgb"):
+    """Verify every Eval target; rank 0 prints a table (to `out`, default stdout) and writes
+    roc.png to output_dir. `onnx`: an ONNX file used instead of the config's backbone (see
+    `evaluation_model`)."""
+    out = sys.stdout if out is None else out
     start(cfg)
     e = cfg["Eval"]
     if not e["targets"]:
         raise ConfigError("Eval.targets is empty: name the packs to verify, e.g. -o Eval.targets=[lfw]")
     if not e["root"]:
         raise ConfigError("Eval.root is not set: the folder holding <target>.bin")
-    model = trained_backbone(cfg, backbone)
+    cfg, model = evaluation_model(cfg, backbone, onnx, onnx_input)
     reports = VerificationEvaluator(e["root"], e["targets"], cfg["Data"]["image_size"],
                                     e["batch_size"])(model, with_roc=True)
     if pd.get_rank() == 0:
@@ -80,10 +94,12 @@ def export(cfg, out_dir=None, onnx=True, backbone=None):
     return export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
 
 
-def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None):
+def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None, onnx=None,
+            onnx_input="rgb"):
     """Embeddings of every image of `source` (a folder with train.rec, a list file, or an
-    image folder) to `output` (.npy) and their labels to `<output stem>_labels.npy`."""
-    model = trained_backbone(cfg, backbone)
+    image folder) to `output` (.npy) and their labels to `<output stem>_labels.npy`.
+    `onnx`: an ONNX file used instead of the config's backbone (see `evaluation_model`)."""
+    cfg, model = evaluation_model(cfg, backbone, onnx, onnx_input)
     size = tuple(cfg["Data"]["image_size"])
     ds, _ = open_dataset("auto", source, size, train=False, what="the source")
     batch_size = batch_size or cfg["Eval"]["batch_size"]

@@ -100,7 +100,7 @@ class Trainer:
         m = cfg["Model"]
         self.backbone = backbone if backbone is not None else runtime.build_backbone(cfg)
         if g["pretrained"]:
-            self.backbone.set_state_dict(paddle.load(g["pretrained"]))
+            runtime.load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
         loss = cfg["Loss"]
         paddle.seed(g["seed"] + 1 + self.rank)  # class centres differ from rank to rank
         self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
@@ -428,7 +428,9 @@ class Trainer:
         self.backbone_opt.set_state_dict(local_optimizer_state(trainer_state["backbone_opt"],
                                                                self.backbone))
         self.lr.set_state_dict(trainer_state["lr"])
-        self.scaler.set_state_dict(trainer_state["scaler"])
+        self.lr.last_lr = self.lr.get_lr()  # a function of the step (a converted checkpoint has no rate)
+        if "scaler" in trainer_state:  # (a converted checkpoint has none: the scaler starts fresh)
+            self.scaler.set_state_dict(trainer_state["scaler"])
         self._resume_head(path, meta)
         head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
         margin = head.margin
