@@ -24,7 +24,7 @@ import numpy as np
 import paddle
 
 from ..config import ConfigError
-from .layout import state_array, step_folder, training_meta
+from .layout import state_array, training_meta
 from .manager import CheckpointManager
 
 __all__ = ["import_arcface_torch", "arcface_torch_files"]
@@ -145,6 +145,4 @@ def import_arcface_torch(files, cfg, backbone, log=print):
     manager = CheckpointManager(cfg["Global"]["output_dir"], keep_last=1 << 30)  # prunes none
     lr = {"last_epoch": step, "last_lr": 0.0}  # plsc's rate is a function of the step: resume sets it
     trainer_state = {"backbone_opt": dict(backbone_opt, LR_Scheduler=lr), "lr": lr}
-    path = manager.save(step, meta, backbone.state_dict(), trainer_state, arrays)
-    assert path == step_folder(manager.root, step)
-    return path
+    return manager.save(step, meta, backbone.state_dict(), trainer_state, arrays)
