@@ -16,6 +16,7 @@ from plsc.config import ConfigError, load_config, validate
 from plsc.loss import ArcFace, CosFace, Softmax
 from plsc.nn import PartialFC
 from plsc.nn.parallel_softmax import filter_bound, parallel_softmax_cross_entropy
+from test_head_single import run_head
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN_NAMES = ("arcface", "arcface_st", "cosface", "sphereface", "combined", "adaface")
@@ -76,14 +77,9 @@ def test_borderline_cosine_is_compared_in_float32(chunk):
     assert float(c06) > 0.6           # the float64 comparison would filter it
     below = float(np.nextafter(c06, np.float32(0)))
     for t, filtered in ((0.6, False), (below, True)):
-        head = PartialFC(d, 3, published_margin("ArcFace"), chunk_size=chunk,
-                         interclass_filtering_threshold=t)
-        head.weight.set_value(w)
-        xt = paddle.to_tensor(x)
-        xt.stop_gradient = False
-        loss = head(xt, paddle.to_tensor(y))
-        loss.backward()
-        g = head.weight.grad.numpy()
+        got = run_head(published_margin("ArcFace"), x, y, w, chunk_size=chunk,
+                       interclass_filtering_threshold=t)
+        loss, g = got["loss"], got["dw"]
         assert (np.abs(g[0]).max() == 0) == filtered, (t, g[0])
         # the loss from its formula: logits s·cos(θ_t + m) for the target, s·c or 0 (filtered)
         s, m = 64.0, 0.5
@@ -144,17 +140,11 @@ def test_filtered_classes_get_no_gradient_and_targets_are_kept(chunk):
     assert abs(cos[0, 3] - 0.3) < 1e-6 and abs(cos[0, 1] - 0.7) < 1e-6, cos
     assert dirty[1] and not dirty[3], (cos, dirty)
     margin = published_margin("CosFace")
-    head = PartialFC(d, c, margin, chunk_size=chunk,
-                     interclass_filtering_threshold=FILTER_THRESHOLD)
-    head.weight.set_value(w)
-    xt = paddle.to_tensor(x)
-    xt.stop_gradient = False
-    loss = head(xt, paddle.to_tensor(y))
-    loss.backward()
-    g = head.weight.grad.numpy()
+    got = run_head(margin, x, y, w, chunk_size=chunk,
+                   interclass_filtering_threshold=FILTER_THRESHOLD)
+    loss, g = got["loss"], got["dw"]
     assert np.all(np.abs(g[dirty]).max(axis=1) == 0), g[dirty]
     assert np.abs(g[3]).max() > 0 and np.all(np.abs(g[~dirty]).max(axis=1) > 0)
-    got = {"loss": float(loss), "dx": xt.grad.numpy(), "dw": g}
     assert_errs(compare_oracle(got, x, y, w, margin, filter_threshold=FILTER_THRESHOLD))
     # by hand: logits 64·(cos − 0.4) for the target, 0 for the filtered, 64·cos for the rest
     logits = np.where(dirty, 0.0, 64.0 * cos[0].astype("float64"))
@@ -169,13 +159,7 @@ def test_off_is_the_unfiltered_head():
     from oracles import make_conflict_case
     x, y, w = make_conflict_case(seed=1, n=8, d=16, num_classes=23, threshold=0.25)
     margin = published_margin("ArcFace")
-    head = PartialFC(16, 23, margin, interclass_filtering_threshold=0)
-    head.weight.set_value(w)
-    xt = paddle.to_tensor(x)
-    xt.stop_gradient = False
-    loss = head(xt, paddle.to_tensor(y))
-    loss.backward()
-    got = {"loss": float(loss), "dx": xt.grad.numpy(), "dw": head.weight.grad.numpy()}
+    got = run_head(margin, x, y, w, interclass_filtering_threshold=0)
     assert_errs(compare_oracle(got, x, y, w, margin))
     assert oracle_reference(x, y, w, margin, filter_threshold=0.25)["loss"] != got["loss"]
 
