@@ -16,9 +16,10 @@
         --param-dtype bfloat16 --fused --save /tmp/plsc_capacity
 
 A step is forward + backward (+ the head's SparseMomentum update with
-`--update`; with `--fused` the update happens inside the backward, float32 runs excepted
-when `--fused-fp32` is not given). `--param-dtype` stores the centres and the momentum in
-that dtype (each value measured in turn). Measured in the same run: the step time, the time of the head's
+`--update`, SparseAdamW with `--optimizer adamw`; with `--fused` the update happens inside the
+backward, float32 runs excepted when `--fused-fp32` is not given). `--param-dtype` stores the
+centres and the optimizer state in that dtype (float32, bfloat16, float16 or int8; each value
+measured in turn). Measured in the same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
 gradient, dense shapes; with sampling, on the sampled rows; each repeated back to
 back, medians added): `gemm_time_s` with fresh outputs, as any op allocates them,
@@ -50,7 +51,8 @@ from plsc import runtime
 from plsc.loss import MARGINS
 from plsc.nn import PartialFC
 from plsc.nn.sampling import sample_centres
-from plsc.optim import SparseMomentum
+from plsc.optim import SparseAdamW, SparseMomentum
+from plsc.quantized import storage_name
 
 
 class MemoryMeter:
@@ -107,9 +109,12 @@ def parse_args(argv=None):
     p.add_argument("--update", action="store_true",
                    help="include the head's optimizer update (SparseMomentum) in the step")
     p.add_argument("--param-dtype", nargs="+", default=["float32"],
-                   choices=("float32", "bfloat16", "float16"),
-                   help="storage of the class centres and their momentum, each measured in turn "
-                        "(default float32)")
+                   choices=("float32", "bfloat16", "float16", "int8"),
+                   help="storage of the class centres and their optimizer state, each measured in "
+                        "turn (default float32)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="the head's optimizer with --update, --fused and --capacity: "
+                        "SparseMomentum (default) or SparseAdamW")
     p.add_argument("--fused", action="store_true",
                    help="16-bit runs update the head inside its backward (implies --update)")
     p.add_argument("--fused-fp32", action="store_true",
@@ -135,6 +140,12 @@ def parse_args(argv=None):
 
 def _fused(args, dtype):
     return args.fused and (dtype != "float32" or args.fused_fp32)
+
+
+def _optimizer(args):
+    if args.optimizer == "adamw":
+        return SparseAdamW(0.001, weight_decay=0.05)
+    return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
 
 
 def local_batch(args, rank):
@@ -167,15 +178,13 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
                      seed=args.seed, chunk_size=chunk, param_dtype=dtype,
                      sub_centers=args.sub_centers)
     fused = _fused(args, dtype)
-    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
-        if args.update or args.fused else None
+    opt = _optimizer(args) if args.update or args.fused else None
     rng, x, y = local_batch(args, rank)
     step = make_step(head, opt, x, y, fused)
 
     def clear():  # free (not zero) the gradients, so each step allocates its own
         x.grad = None
-        for param in head.parameters():
-            param.grad = None
+        head.drop_dense_gradients()
         head.release_sampled_rows()
 
     step()  # warm-up; creates the optimizer state
@@ -278,14 +287,12 @@ def bench_dtypes(args, ratio, rank, world, chunk):
     for dtype in args.param_dtype:
         head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
                          seed=args.seed, chunk_size=chunk, param_dtype=dtype)
-        opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4) \
-            if args.update or args.fused else None
+        opt = _optimizer(args) if args.update or args.fused else None
         step = make_step(head, opt, x, y, _fused(args, dtype))
 
         def run(step=step, head=head):
             x.grad = None
-            for param in head.parameters():
-                param.grad = None
+            head.drop_dense_gradients()
             step()
         run()  # warm-up; creates the optimizer state
         runs[dtype] = run
@@ -327,11 +334,11 @@ def capacity(args, ratio, rank, world, chunk, dtype):
     head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
                      seed=args.seed, chunk_size=chunk, param_dtype=dtype)
     init_peak = meter.peak()
-    opt = SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
+    opt = _optimizer(args)
     rng, x, y = local_batch(args, rank)
     fused = _fused(args, dtype)
     step = make_step(head, opt, x, y, fused)
-    step()  # creates the momentum
+    step()  # creates the optimizer state
     sync()
     meter.reset_peak()
     t0 = time.perf_counter()
@@ -344,8 +351,9 @@ def capacity(args, ratio, rank, world, chunk, dtype):
     out = {"bench": "capacity", "rank": rank, "world_size": world,
            "num_classes": args.num_classes, "num_local": per, "global_batch": b * world,
            "embedding_size": d, "sample_ratio": ratio, "chunk_size": chunk,
-           "param_dtype": dtype, "state_dtype": str(opt.state_dict()["weight.velocity"].dtype)
-           .replace("paddle.", ""), "fused": fused, "completed": True,
+           "param_dtype": dtype, "optimizer": args.optimizer,
+           "state_dtypes": {k: storage_name(v) for k, v in opt.state_dict().items()
+                            if k != "step_count"}, "fused": fused, "completed": True,
            "step_seconds": round(step_seconds, 1),
            "init_peak_bytes_per_class": round(init_peak / per, 1),
            "step_peak_bytes_per_class": round(step_peak / per, 1),

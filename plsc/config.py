@@ -191,9 +191,10 @@ SCHEMA = {
                          nullable=True, low=0),
         "logits_budget_mb": _k(NUM, 2048, "memory the head's logits may take per rank when "
                                "chunk_size is automatic", above=0),
-        "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16 or "
-                          "float16 (GEMMs and softmax statistics stay float32)",
-                          choices=("float32", "bfloat16", "float16")),
+        "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16, "
+                          "float16 or int8 (a byte a value, a scale a row); GEMMs and softmax "
+                          "statistics stay float32",
+                          choices=("float32", "bfloat16", "float16", "int8")),
     },
     "Data": {
         "dataset": _k(str, "recordio", "recordio (train.rec/.idx), folder, list or synthetic",
@@ -221,8 +222,8 @@ SCHEMA = {
         "accumulate_steps": _k(int, 1, "micro-batches per optimizer step", low=1),
         "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
                                "the class centres (Loss.param_dtype)", nullable=True,
-                               choices=("float32", "bfloat16", "float16")),
-        "head_write_rounding": _k(str, "stochastic", "how 16-bit head arrays are written: "
+                               choices=("float32", "bfloat16", "float16", "int8")),
+        "head_write_rounding": _k(str, "stochastic", "how 16- and 8-bit head arrays are written: "
                                   "stochastic (unbiased) or nearest",
                                   choices=("stochastic", "nearest")),
         "fused_head_update": _k(bool, True, "update the head's rows inside its backward (no "

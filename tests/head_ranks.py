@@ -278,11 +278,12 @@ def check_collectives():
 
 # ---- 16-bit storage and the fused optimizer update
 
-DTYPES = ("bfloat16", "float16")
+DTYPES = ("bfloat16", "float16", "int8")
 DTYPE_MARGINS = ("arcface", "cosface", "softmax")
 DTYPE_SHAPES = ((101, 1.0, 0), (101, 1.0, 7), (101, 0.5, 0), (101, 0.5, 7))  # (C, ratio, chunk)
-# Half of a 16-bit ulp relative to the value: a 16-bit gradient's rounding error.
-HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+# Half of a 16-bit ulp relative to the value: a 16-bit gradient's rounding error (an 8-bit
+# weight's gradient is float32).
+HALF_ULP = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "int8": 0.0}
 
 
 def dtype_cases():
@@ -295,9 +296,22 @@ def dtype_case_name(dtype, margin_name, num_classes, ratio, chunk):
 
 
 def rounded(a, dtype):
-    """float32 numpy values of `a` rounded to `dtype` by Paddle's cast (to nearest even)."""
+    """float32 numpy values of `a` rounded to `dtype` by Paddle's cast (to nearest even); int8:
+    the values an 8-bit head stores for `a` (rows of two axes, quantised to nearest with a
+    scale a row; a bias, one axis, stays float32)."""
     import paddle
+    from plsc.quantized import quantize
+    if dtype == "int8":  # the codes plsc chooses, their values computed here: code · scale / 127
+        if a.ndim < 2:
+            return a
+        codes, scale = (t.numpy() for t in quantize(paddle.to_tensor(a)))
+        return codes * (scale[:, None] / np.float32(127))
     return paddle.to_tensor(a).astype(dtype).astype("float32").numpy()
+
+
+def storage_of(t):
+    from plsc.quantized import storage_name
+    return storage_name(t)
 
 
 def _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x_local, y_local, **kw):
@@ -308,9 +322,10 @@ def _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x_local, y_local, 
     head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5, chunk_size=chunk,
                      param_dtype=dtype, **kw)
     lo, hi = head.class_start, head.class_start + head.num_local
-    head.weight.set_value(paddle.to_tensor(w[lo:hi]).astype(dtype))
+    given = paddle.to_tensor(w[lo:hi])
+    head.weight.set_value(given.astype(dtype) if dtype != "int8" else given)
     if b is not None:
-        head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(dtype))
+        head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(storage_of(head.bias)))
     x = leaf(x_local)
     loss = head(x, paddle.to_tensor(y_local))
     loss.backward()
@@ -327,29 +342,27 @@ def check_dtype_vs_float32(margin, num_classes, ratio, chunk, dtype):
     from plsc.distributed import gather_concat, get_rank, get_world_size
 
     rank, k = get_rank(), get_world_size()
-    x, y, w, b = make_case(seed=num_classes * 11 + k + 1, n=k * B, d=D,
-                           num_classes=num_classes, margin=margin)
-    w, b = rounded(w, dtype), (rounded(b, dtype) if b is not None else None)
+    x, y, w_given, b = make_case(seed=num_classes * 11 + k + 1, n=k * B, d=D,
+                                 num_classes=num_classes, margin=margin)
+    w, b = rounded(w_given, dtype), (rounded(b, dtype) if b is not None else None)
     mine = slice(rank * B, (rank + 1) * B)
-    h16, loss16, x16 = _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x[mine], y[mine])
+    h16, loss16, x16 = _run_head(margin, num_classes, ratio, chunk, dtype, w_given, b, x[mine],
+                                 y[mine])
     h32, loss32, x32 = _run_head(margin, num_classes, ratio, chunk, "float32", w, b, x[mine],
                                  y[mine])
     sampled = ratio < 1.0
     shard = h16.partition.shard_size
     lo = h16.class_start
-    flags = [h16.weight.dtype == getattr(paddle, dtype),
-             b is None or h16.bias.dtype == getattr(paddle, dtype),
+    flags = [storage_of(h16.weight) == dtype,
+             b is None or storage_of(h16.bias) == (dtype if dtype != "int8" else "float32"),
              x16.grad.dtype == paddle.float32]
     if sampled:
         flags += [bool(paddle.equal_all(h16.sampled_index, h32.sampled_index)),
                   h16.sampled_weight.grad.dtype == paddle.float32]
-        w16, w32 = h16.sampled_weight, h32.sampled_weight
-        b16, b32 = h16.sampled_bias, h32.sampled_bias
-    else:
-        w16, w32, b16, b32 = h16.weight, h32.weight, h16.bias, h32.bias
-    g = lambda t: gather_rows(t.grad.astype("float32"), pad_to=shard)  # noqa: E731
-    dw16, dw32 = g(w16), g(w32)
-    db16, db32 = (g(b16), g(b32)) if b is not None else (None, None)
+    g = lambda h, name: gather_rows(h.row_gradient(name).astype("float32"),  # noqa: E731
+                                    pad_to=shard)
+    dw16, dw32 = g(h16, "weight"), g(h32, "weight")
+    db16, db32 = (g(h16, "bias"), g(h32, "bias")) if b is not None else (None, None)
     losses = gather_rows(paddle.to_tensor([float(loss16), float(loss32)]).reshape([1, 2]))
     dx16, dx32 = gather_rows(x16.grad), gather_rows(x32.grad)
     flags_all = gather_concat(paddle.to_tensor([int(all(flags))], dtype="int64")).numpy()
@@ -396,6 +409,12 @@ def fused_cases():
     cases += [("momentum", "softmax", 101, 0.5, 7, "bfloat16"),
               ("adamw", "arcface", 101, 0.5, 0, "bfloat16"),
               ("momentum", "arcface", 101, 0.5, 0, "float16")]
+    # 8-bit centres (and state): dense (the separate update reads the head's kept gradient),
+    # chunked, sampled.
+    cases += [("momentum", "arcface", 101, 1.0, 0, "int8"),
+              ("adamw", "cosface", 101, 1.0, 7, "int8"),
+              ("momentum", "softmax", 101, 0.5, 7, "int8"),
+              ("adamw", "arcface", 101, 0.5, 0, "int8")]
     # Enough classes that 4,096-class slabs split a block (test_head_dtypes forces the wide-block
     # path for them: with D = 16 a block's gradient is far below the 64 MiB that takes it).
     cases += [("momentum", "arcface", 10000, 1.0, 0, "float32"),
@@ -409,7 +428,11 @@ def fused_case_name(opt, margin_name, num_classes, ratio, chunk, dtype):
 
 
 def _bits(t):
-    """Raw bits of a tensor, for bit-for-bit comparison (NaN- and signed-zero-exact)."""
+    """Raw bits of a tensor (an 8-bit array: its codes' bytes, then its scales'), for
+    bit-for-bit comparison (NaN- and signed-zero-exact)."""
+    if hasattr(t, "codes"):
+        return np.concatenate([_bits(t.codes).reshape(-1).view(np.uint8),
+                               _bits(t.scale).reshape(-1).view(np.uint8)])
     a = np.ascontiguousarray(np.asarray(t.numpy()))
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
@@ -461,9 +484,10 @@ def check_fused_vs_separate(opt_name, margin, num_classes, ratio, chunk, dtype, 
                          sample_ratio=ratio, seed=9, chunk_size=chunk, param_dtype=dtype,
                          **more)
         lo, hi = head.class_start, head.class_start + head.num_local
-        head.weight.set_value(paddle.to_tensor(w[lo * kk:hi * kk]).astype(dtype))
+        head.weight.set_value(paddle.to_tensor(w[lo * kk:hi * kk]).astype(
+            dtype if dtype != "int8" else "float32"))
         if b is not None:
-            head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(dtype))
+            head.bias.set_value(paddle.to_tensor(b[lo:hi]).astype(storage_of(head.bias)))
         heads.append(head)
         opts.append(getattr(plsc.optim, cls_name)(seed=3, **kw))
     fused, separate = heads
@@ -484,10 +508,11 @@ def check_fused_vs_separate(opt_name, margin, num_classes, ratio, chunk, dtype, 
         xf = leaf(xs[mine])
         loss_f = fused(xf, y_local)
         loss_f.backward()
-        grads = [fused.weight.grad, fused.bias.grad if b is not None else None]
+        grads = [fused.row_gradient("weight"),
+                 fused.row_gradient("bias") if b is not None else None]
         if ratio < 1.0:
-            grads += [fused.sampled_weight.grad,
-                      fused.sampled_bias.grad if b is not None else None]
+            grads += [getattr(fused.weight, "grad", None),
+                      fused.bias.grad if b is not None else None]
         left_grad += int(any(gr is not None for gr in grads))
         opt_f.end_fused_step(fused)
         fused.row_update = None

@@ -255,37 +255,50 @@ def test_k1_checkpoint_has_nothing_to_clean(trained, tmp_path, capsys):
     assert "sub_centers=1" in err and "nothing to clean" in err and k1 in err
 
 
-def test_bfloat16_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_path):
-    """A bfloat16 K = 3 head trained a few steps with AdamW: the K = 1 checkpoint stores the
-    dominant centres' bits as they were, in bfloat16, its AdamW state (moments and step counts)
-    is zero in the shapes of a K = 1 head, and a K = 1 run resumes from it."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_narrow_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_path, dtype):
+    """A bfloat16 or int8 K = 3 head trained a few steps with AdamW: the K = 1 checkpoint
+    stores the dominant centres' bits as they were (int8: each centre's codes and scale), in
+    the same dtype, its AdamW state (moments and step counts) is zero in the shapes of a K = 1
+    head, and a K = 1 run resumes from it."""
     from plsc.apps.cleaning import clean_subcenters
     out = str(tmp_path / "run")
     cfg = run_config(trained["list"], out, Global={"max_steps": 3},
-                     Loss={"param_dtype": "bfloat16"}, Optimizer={"name": "adamw", "lr": 1e-3})
+                     Loss={"param_dtype": dtype}, Optimizer={"name": "adamw", "lr": 1e-3})
     run = Trainer(cfg)
     run.train()
     ckpt = os.path.join(out, "checkpoints", "step_00000003")
     summary = clean_subcenters(cfg, ckpt, 75.0, str(tmp_path / "clean"), progress=False)
     bits = np.load(os.path.join(ckpt, "head_rank0", "weight.npy"))
-    assert bits.dtype == np.uint16 and bits.shape == (CLASSES, K, 128)
+    if dtype == "bfloat16":
+        assert bits.dtype == np.uint16 and bits.shape == (CLASSES, K, 128)
+    else:  # a record (scale, 128 codes) a centre
+        assert bits.dtype.names == ("scale", "codes") and bits.shape == (CLASSES, K)
     k1 = summary["outputs"]["checkpoint_k1"]
     dominant = summary["arrays"]["dominant"]
     np.testing.assert_array_equal(np.load(os.path.join(k1, "head_rank0", "weight.npy")),
                                   bits[np.arange(CLASSES), dominant])
     meta = json.load(open(os.path.join(k1, "meta.json")))
-    assert meta["head_dtypes"]["weight"] == "bfloat16" and meta["sub_centers"] == 1
+    assert meta["head_dtypes"]["weight"] == dtype and meta["sub_centers"] == 1
     # The dominant centres from cosines computed here: the bfloat16 bits widened to float32
-    # (exact: bfloat16 is float32's upper half), the run's backbone, numpy majority votes.
-    centres = (bits.astype(np.uint32) << 16).view(np.float32)
+    # (exact: bfloat16 is float32's upper half; int8: codes times scale / 127), the run's
+    # backbone, numpy majority votes.
+    if dtype == "bfloat16":
+        centres = (bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        centres = bits["codes"] * (bits["scale"][..., None] / np.float32(127))
     _, expect, _ = oracle(trained, model=run.backbone, weight=centres)
     np.testing.assert_array_equal(dominant, expect)
     for name, shape in (("moment1", (CLASSES, 128)), ("moment2", (CLASSES, 128)),
                         ("steps", (CLASSES,))):
         state = np.load(os.path.join(k1, "head_rank0", f"opt.weight.{name}.npy"))
-        assert state.shape == shape and not state.any(), name
+        if state.dtype.names:  # 8-bit records: zero codes and scales
+            assert state.shape == shape[:1] and state["codes"].shape == shape, name
+            assert not state["codes"].any() and not state["scale"].any(), name
+        else:
+            assert state.shape == shape and not state.any(), name
     more = run_config(str(tmp_path / "clean" / "train_clean.lst"), str(tmp_path / "more"),
-                      Global={"max_steps": 5, "checkpoint": k1}, Loss={"param_dtype": "bfloat16",
+                      Global={"max_steps": 5, "checkpoint": k1}, Loss={"param_dtype": dtype,
                                                                         "sub_centers": 1},
                       Optimizer={"name": "adamw", "lr": 1e-3})
     trainer = Trainer(more)

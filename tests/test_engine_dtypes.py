@@ -26,18 +26,24 @@ def bits(t):
     """A tensor's raw bits as an unsigned integer array (bfloat16's .numpy() is its uint16
     bits already), so that comparisons are bit for bit (-0.0 != 0.0, NaN == NaN)."""
     a = np.array(t.numpy())
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
 def head_bits(trainer):
-    """{name: bits} of the head's weight, bias and every optimizer state array, and the
-    optimizer's step count."""
-    out = {"weight": bits(trainer.head.weight)}
+    """{name: bits} of the head's weight, bias and every optimizer state array (8-bit ones as
+    `<name>.codes` and `<name>.scale`), and the optimizer's step count."""
+    arrays = {"weight": trainer.head.weight}
     if trainer.head.bias is not None:
-        out["bias"] = bits(trainer.head.bias)
+        arrays["bias"] = trainer.head.bias
     for key, value in trainer.head_opt.state_dict().items():
         if key != "step_count":
-            out[f"opt.{key}"] = bits(value)
+            arrays[f"opt.{key}"] = value
+    out = {}
+    for name, t in arrays.items():
+        if hasattr(t, "codes"):  # plsc.quantized.Int8Rows
+            out[name + ".codes"], out[name + ".scale"] = bits(t.codes), bits(t.scale)
+        else:
+            out[name] = bits(t)
     return out, trainer.head_opt.step_count
 
 
@@ -60,19 +66,25 @@ def bf16_ulp(bits16):
 
 # ------------------------------------------------------------------ 1. resume, seeds
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])
-def test_bfloat16_resume_equals_uninterrupted(tmp_path, data_root, ratio):
-    """bfloat16 centres and momentum written with stochastic rounding: resuming at step 3
-    gives the uninterrupted run's losses, weights, every optimizer state array and step
-    count bit for bit (the rounding bits depend on the restored step count)."""
-    sections = dict(Loss={"sample_ratio": ratio, "param_dtype": "bfloat16"})
+@pytest.mark.parametrize("dtype,ratio,opt,k", [
+    ("bfloat16", 1.0, "sgd", 1), ("bfloat16", 0.5, "sgd", 1), ("int8", 1.0, "sgd", 1),
+    ("int8", 0.5, "sgd", 3), ("int8", 0.5, "adamw", 1)])
+def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, opt, k):
+    """bfloat16 or int8 centres and optimizer state written with stochastic rounding: resuming
+    at step 3 gives the uninterrupted run's losses, weights, every optimizer state array
+    (8 bits: codes and scales) and step count bit for bit (the rounding bits depend on the
+    restored step count); `k` sub-centres a class."""
+    from plsc.quantized import storage_name
+    sections = dict(Loss={"sample_ratio": ratio, "param_dtype": dtype, "sub_centers": k},
+                    Optimizer={"name": opt, **({"lr": 0.01} if opt == "adamw" else {})})
     full = Trainer(config(data_root, str(tmp_path / "a"), **sections), backbone=make_backbone(0))
     assert full.head_opt.rounding == "stochastic" and full.head_opt.state_dtype is None
     history = full.train()
     assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]
     state = full.head_opt.state_dict()
-    assert full.head.weight.dtype == paddle.bfloat16
-    assert state["weight.velocity"].dtype == paddle.bfloat16
+    first = "weight.velocity" if opt == "sgd" else "weight.moment2"
+    assert storage_name(full.head.weight) == dtype
+    assert storage_name(state[first]) == (dtype if opt == "sgd" else "uint8_log")
     assert int(state["step_count"]) == 6
     ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
     # Another initial backbone: everything must come from the checkpoint.
@@ -83,8 +95,15 @@ def test_bfloat16_resume_equals_uninterrupted(tmp_path, data_root, ratio):
     assert [s for s, _ in rest] == [4, 5, 6]
     np.testing.assert_array_equal([v for _, v in rest], [v for _, v in history[3:]])
     (got, got_count), (want, want_count) = head_bits(resumed), head_bits(full)
-    assert sorted(want) == ["opt.weight.velocity", "weight"]
-    assert want["weight"].dtype == want["opt.weight.velocity"].dtype == np.uint16
+    if dtype == "bfloat16":
+        assert sorted(want) == ["opt.weight.velocity", "weight"]
+        assert want["weight"].dtype == want["opt.weight.velocity"].dtype == np.uint16
+    else:
+        states = ["velocity"] if opt == "sgd" else ["moment1", "moment2"]
+        assert sorted(want) == sorted([f"opt.weight.{s}.{p}" for s in states
+                                       for p in ("codes", "scale")]
+                                      + (["opt.weight.steps"] if opt == "adamw" else [])
+                                      + ["weight.codes", "weight.scale"])
     assert_same_bits(got, want)
     assert got_count == want_count == 6
     assert int(resumed.head_opt.state_dict()["step_count"]) == 6
@@ -149,7 +168,8 @@ class PoisonableNet(nn.Layer):
 
 @pytest.mark.parametrize("dtype,ratio,margin", [
     ("float32", 1.0, "arcface"), ("bfloat16", 0.5, "arcface"),
-    ("float32", 0.5, "softmax"), ("bfloat16", 1.0, "softmax")])  # softmax: a bias too
+    ("float32", 0.5, "softmax"), ("bfloat16", 1.0, "softmax"),  # softmax: a bias too
+    ("int8", 1.0, "softmax"), ("int8", 0.5, "arcface")])
 def test_non_finite_embedding_gradient_leaves_head_and_backbone_unchanged(
         tmp_path, data_root, dtype, ratio, margin):
     """Stands in for float16 AMP on a GPU with dynamic loss scaling, which the trainer refuses
@@ -171,7 +191,10 @@ def test_non_finite_embedding_gradient_leaves_head_and_backbone_unchanged(
     trainer.train_step([batches[0]])  # a good step first: the optimizer state exists, non-zero
     assert trainer.scaler.skipped == 0 and trainer.scaler.scale == 1024.0
     head0, count0 = head_bits(trainer)
-    assert head0["weight"].dtype == (np.uint16 if dtype == "bfloat16" else np.uint32)
+    if dtype == "int8":  # the dense gradient kept by the head is dropped with the step
+        assert head0["weight.codes"].dtype == np.uint8 and trainer.head.row_gradient("weight") is None
+    else:
+        assert head0["weight"].dtype == (np.uint16 if dtype == "bfloat16" else np.uint32)
     assert ("bias" in head0) == (margin == "softmax")
     assert any(k.startswith("opt.") and v.any() for k, v in head0.items())
     backbone0 = backbone_bits(trainer)
@@ -196,12 +219,12 @@ def test_non_finite_embedding_gradient_leaves_head_and_backbone_unchanged(
 
 # ------------------------------------------------------- 4. config, Entry, fused update
 
-def test_param_dtype_int8_in_a_yaml_names_the_key_and_the_choices(tmp_path):
+def test_param_dtype_int4_in_a_yaml_names_the_key_and_the_choices(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "int8"},
+    path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "int4"},
                                     "Data": {"root": "/data"}}))
     with pytest.raises(ConfigError, match=r"Loss\.param_dtype must be one of float32, bfloat16, "
-                                          r"float16, got 'int8'"):
+                                          r"float16, int8, got 'int4'"):
         load_config(str(path))
     path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "bfloat16"},
                                     "Data": {"root": "/data"}}))
@@ -215,16 +238,18 @@ def test_entry_set_param_dtype():
     cfg = entry.get_config()
     assert cfg["Loss"]["param_dtype"] == "bfloat16" and cfg["Optimizer"]["head_state_dtype"] is None
     with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16, "
-                                         r"got 'int8'"):
-        entry.set_param_dtype("int8")
+                                         r"int8, got 'int4'"):
+        entry.set_param_dtype("int4")
     assert entry.get_config()["Loss"]["param_dtype"] == "bfloat16"  # unchanged by the error
 
 
-@pytest.mark.parametrize("dtype,ratio", [("float32", 1.0), ("float32", 0.5), ("bfloat16", 0.5)])
+@pytest.mark.parametrize("dtype,ratio", [("float32", 1.0), ("float32", 0.5), ("bfloat16", 0.5),
+                                         ("int8", 1.0), ("int8", 0.5)])
 def test_unfused_head_update_trains_like_the_fused_one(tmp_path, data_root, dtype, ratio):
     """Optimizer.fused_head_update: false applies the head optimizer after the backward
-    (`head_opt.step`); the fused update inside the backward gives the same run bit for bit:
-    losses, head rows, optimizer state and backbone."""
+    (`head_opt.step`; a dense int8 head's gradient is kept by the head, in float32); the fused
+    update inside the backward gives the same run bit for bit: losses, head rows, optimizer
+    state and backbone."""
     runs = []
     for fused in (True, False):
         trainer = Trainer(config(data_root, str(tmp_path / str(fused)), Global={"max_steps": 3},

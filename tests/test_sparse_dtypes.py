@@ -42,6 +42,17 @@ class StubHead:
     def release_sampled_rows(self, gradients_kept=False):
         self.sampled_weight = self.sampled_bias = None
 
+    def row_gradient(self, name):
+        if self.sampled_index is not None:
+            rows = self.sampled_weight if name == "weight" else self.sampled_bias
+            return None if rows is None else rows.grad
+        return (self.weight if name == "weight" else self.bias).grad
+
+    def drop_dense_gradients(self):
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.grad = None
+
 
 def _param(value, dtype):
     p = paddle.create_parameter(list(value.shape), dtype,
@@ -395,7 +406,7 @@ def test_weight_state_and_bias_draw_independent_bits(dtype):
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError):
-        SparseMomentum(0.1, state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype must be .* or int8, got 'int4'"):
+        SparseMomentum(0.1, state_dtype="int4")
     with pytest.raises(ValueError):
         SparseAdamW(0.1, rounding="up")

@@ -243,7 +243,8 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
         raise ConfigError(f"checkpoint {path} has sub_centers=1 (one centre per class): nothing to "
                           "clean; train with -o Loss.sub_centers=3 (K > 1) first")
     num_classes, dim = int(meta["num_classes"]), int(meta["embedding_size"])
-    first = load_head_rows(path, "weight", 0, 1, meta)
+    first = rows_as_float32(load_head_rows(path, "weight", 0, 1, meta),
+                            head_dtype(path, "weight", meta))
     if first.shape[1:] != (k, dim):
         raise ValueError(f"checkpoint {path}: head weight rows have shape {first.shape[1:]}, "
                          f"expected ({k}, {dim}) for sub_centers={k}")

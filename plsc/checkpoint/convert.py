@@ -11,14 +11,17 @@ import paddle
 from ..distributed import ClassPartition
 from ..fileio import commit_folder, copy_file, temp_folder
 from ..numerics import cast_nearest
-from .head_arrays import (NPY_DTYPES, bfloat16_to_float32, head_dtype, load_head_rows, slab_rows,
-                          stream_npy)
+from ..quantized import INT8_MAPS, quantize
+from .head_arrays import (NPY_DTYPES, head_dtype, load_head_rows, records_of, rows_as_float32,
+                          slab_rows, stream_npy)
 from .layout import (BACKBONE, META, TRAINER, head_dir, head_file, is_state_of, read_meta,
                      write_meta)
 from .manifest import write_manifest
 
-__all__ = ["copy_checkpoint", "reshard_checkpoint", "export_classifier", "import_classifier",
-           "write_k1_checkpoint"]
+__all__ = ["copy_checkpoint", "reshard_checkpoint", "convert_checkpoint", "export_classifier",
+           "import_classifier", "write_k1_checkpoint"]
+
+_FLOATS = ("float32", "bfloat16", "float16")
 
 
 def _float32_round_to_odd(x):
@@ -36,7 +39,11 @@ def _float32_round_to_odd(x):
 
 def _to_storage(x, dtype):
     """Float rows `x` (numpy) as a checkpoint stores head dtype `dtype`, rounded to nearest
-    even (bfloat16: its bits as uint16)."""
+    even (bfloat16: its bits as uint16; 8 bits: records of each row's scale and codes, rounded
+    to nearest from float32)."""
+    if dtype in INT8_MAPS:
+        codes, scale = quantize(paddle.to_tensor(_float32_round_to_odd(x)), dtype)
+        return records_of(codes.numpy(), scale.numpy(), dtype)
     if dtype == "bfloat16":
         return cast_nearest(paddle.to_tensor(_float32_round_to_odd(x)), "bfloat16").numpy()
     return x.astype(NPY_DTYPES[dtype])
@@ -90,18 +97,50 @@ def reshard_checkpoint(src, dst, world_size):
         src, name, start, count, src_meta))
 
 
+def convert_checkpoint(src, dst, dtype):
+    """Copy checkpoint `src` to `dst` with every head array stored as float `dtype` ("float32",
+    "bfloat16" or "float16"): the weight, the bias and their optimizer state, from whatever
+    they were (16 or 8 bits, float32); float32 counters (AdamW's step counts) stay float32.
+    The stored config says `Loss.param_dtype: dtype` and `Optimizer.head_state_dtype: null`.
+    Values are converted exactly where the new dtype holds them (to float32 always), else
+    rounded to nearest even."""
+    if dtype not in _FLOATS:
+        raise ValueError(f"a checkpoint converts to one of {', '.join(_FLOATS)}, got {dtype!r}")
+    meta = read_meta(src)
+    old = {name: head_dtype(src, name, meta) for name in meta["head_arrays"]}
+    new = {name: dtype if d in _FLOATS + tuple(INT8_MAPS) and not name.endswith(".steps") else d
+           for name, d in old.items()}
+    out = dict(meta, head_dtypes=new)
+    if isinstance(meta.get("config"), dict):
+        cfg = copy.deepcopy(meta["config"])
+        cfg.setdefault("Loss", {})["param_dtype"] = dtype
+        cfg.setdefault("Optimizer", {})["head_state_dtype"] = None
+        out["config"] = cfg
+
+    def rows(name, start, count):
+        stored = load_head_rows(src, name, start, count, meta)
+        if new[name] == old[name]:
+            return stored
+        return _to_storage(rows_as_float32(stored, old[name]), new[name])
+
+    return copy_checkpoint(src, dst, out, rows)
+
+
 def export_classifier(src, path, name="weight"):
     """Write head array `name` of all classes as one `[C, ...]` .npy a plain numpy reads,
-    streamed by slabs: a bfloat16 array as float32 (exact), float16 and float32 as stored."""
+    streamed by slabs: a bfloat16 or 8-bit array as float32 (bfloat16 exactly, 8 bits the
+    values the head computes with), float16 and float32 as stored."""
     meta = read_meta(src)
     dtype = head_dtype(src, name, meta)
-    shape = (meta["num_classes"],) + load_head_rows(src, name, 0, 1, meta).shape[1:]
-    out = np.float32 if dtype == "bfloat16" else NPY_DTYPES.get(dtype, dtype)
+    widen = dtype == "bfloat16" or dtype in INT8_MAPS
+    shape = (meta["num_classes"],) + \
+        rows_as_float32(load_head_rows(src, name, 0, 1, meta), dtype).shape[1:]
+    out = np.float32 if widen else NPY_DTYPES.get(dtype, dtype)
     step = slab_rows(shape[1:])
 
     def slab(lo):
         rows = load_head_rows(src, name, lo, min(step, shape[0] - lo), meta)
-        return bfloat16_to_float32(rows) if dtype == "bfloat16" else rows
+        return rows_as_float32(rows, dtype) if widen else rows
 
     stream_npy(path, out, shape, (slab(lo) for lo in range(0, shape[0], step)))
     return path
@@ -137,7 +176,8 @@ def _open_import(src, meta, name, file):
         array = np.load(file, mmap_mode="r")
     except (ValueError, OSError, EOFError) as err:
         raise ValueError(f"{file} is not a readable .npy array ({err})") from None
-    expect = (meta["num_classes"],) + load_head_rows(src, name, 0, 1, meta).shape[1:]
+    expect = (meta["num_classes"],) + rows_as_float32(load_head_rows(src, name, 0, 1, meta),
+                                                      head_dtype(src, name, meta)).shape[1:]
     if array.dtype.kind != "f" or array.shape != expect:
         raise ValueError(f"{file} holds {array.dtype} of shape {array.shape}; expected a float "
                          f"array (float16, float32 or float64) of shape {expect} for {name!r} "

@@ -3,9 +3,12 @@
     <checkpoint>/head_rank{r}/<name>.npy    rank r's rows of the weight, the bias and their
                                             optimizer state (partition in meta.json)
 
-meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16");
-numpy has no bfloat16, so a bfloat16 array's .npy holds its bits as uint16. Checkpoints
-without `head_dtypes` hold each array in its .npy's dtype.
+meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16", or
+an 8-bit map of `plsc.quantized`: "int8", "int8_log", "uint8_log"); numpy has no bfloat16, so
+a bfloat16 array's .npy holds its bits as uint16, and an 8-bit array's .npy holds a record a
+row, `(scale float32, codes int8[d])` (uint8 codes for uint8_log; `[n]` records, `[n, K]`
+with sub-centres), so each row's scale travels with its codes. Checkpoints without
+`head_dtypes` hold each array in its .npy's dtype.
 
 Everything here streams: a save writes a tensor a slab of rows at a time (`save_rows_npy`),
 a load fills a tensor in place a slab at a time from a checkpoint of any world size and
@@ -21,13 +24,14 @@ import paddle
 from ..distributed import ClassPartition
 from ..fileio import AtomicWriter
 from ..numerics import SLAB_BYTES, STORAGE_DTYPES, cast_nearest
+from ..quantized import INT8_MAPS, Int8Rows, dequantize, record_dtype, storage_name
 from .errors import CheckpointDamaged
 from .layout import head_file, read_meta
 from .manifest import npy_problem
 
 __all__ = ["array_dtype", "save_rows_npy", "write_rows_npy", "stream_npy", "slab_rows",
            "head_dtype", "load_head_rows", "load_head_rows_into", "rows_as_float32",
-           "bfloat16_to_float32", "head_array_bytes", "NPY_DTYPES"]
+           "bfloat16_to_float32", "records_of", "head_array_bytes", "NPY_DTYPES"]
 
 
 def _save_npy(path, array):
@@ -43,10 +47,10 @@ NPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float1
 
 
 def array_dtype(array):
-    """"float32", "bfloat16", ... of a Paddle tensor or numpy array."""
+    """"float32", "bfloat16", "int8", ... of a Paddle tensor, `Int8Rows` or numpy array."""
     if isinstance(array, np.ndarray):
         return array.dtype.name
-    return str(array.dtype).replace("paddle.", "")
+    return storage_name(array)
 
 
 def slab_rows(row_shape, itemsize=4):
@@ -73,7 +77,10 @@ def stream_npy(path, dtype, shape, slabs):
 
 
 def head_array_bytes(array):
-    """Bytes the `.npy` of head array `array` (Paddle tensor or numpy) takes, header aside."""
+    """Bytes the `.npy` of head array `array` (Paddle tensor, `Int8Rows` or numpy) takes,
+    header aside."""
+    if isinstance(array, Int8Rows):
+        return array.nbytes
     return int(np.prod(array.shape, dtype=np.int64)) * int(
         array.dtype.itemsize if isinstance(array, np.ndarray) else array.element_size())
 
@@ -91,6 +98,8 @@ def write_rows_npy(path, rows):
     """`save_rows_npy` returning (dtype name, the file's `FileRecord`)."""
     if isinstance(rows, np.ndarray):
         return rows.dtype.name, _save_npy(path, rows)
+    if isinstance(rows, Int8Rows):
+        return rows.map.name, _write_8bit(path, rows)
     name = array_dtype(rows)
     if name not in NPY_DTYPES:
         raise TypeError(f"cannot save {path}: head arrays of dtype {rows.dtype} are not supported "
@@ -108,15 +117,47 @@ def write_rows_npy(path, rows):
         for lo in range(0, shape[0], step)))
 
 
+def _write_8bit(path, rows):
+    """An `Int8Rows` as a .npy of records (scale, codes), a slab of rows at a time."""
+    width = rows.shape[-1]
+    dtype = record_dtype(rows.map.name, width)
+    shape = tuple(rows.shape[:-1])
+    step = slab_rows(shape[1:], dtype.itemsize)
+
+    def slab(lo):
+        index = paddle.arange(lo, min(lo + step, shape[0]))
+        out = np.empty((int(index.shape[0]),) + shape[1:], dtype)
+        # gather, not rows[lo:hi]: .numpy() of a sliced view copies the whole array
+        out["codes"] = paddle.gather(rows.codes, index).numpy()
+        out["scale"] = paddle.gather(rows.scale, index).numpy()
+        return out
+    return stream_npy(path, dtype, shape, (slab(lo) for lo in range(0, shape[0], step)))
+
+
 def bfloat16_to_float32(bits):
     """uint16 bfloat16 bits -> float32 values (exact)."""
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def rows_as_float32(rows, stored):
-    """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits) -> float32
-    values (exact)."""
+    """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits; 8 bits:
+    records) -> float32 values (exact for 16 bits; 8 bits: as the head reads them)."""
+    if stored in INT8_MAPS:
+        return _records_f32(rows, stored).numpy()
     return bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)
+
+
+def _records_f32(rows, stored):
+    """8-bit records -> float32 Paddle tensor (`plsc.quantized.dequantize`, as the head reads)."""
+    return dequantize(paddle.to_tensor(np.ascontiguousarray(rows["codes"])),
+                      paddle.to_tensor(np.ascontiguousarray(rows["scale"])), stored)
+
+
+def records_of(codes, scale, name):
+    """Host 8-bit records of map `name` from numpy codes `[n, ..., d]` and scales `[n, ...]`."""
+    out = np.empty(scale.shape, record_dtype(name, codes.shape[-1]))
+    out["codes"], out["scale"] = codes, scale
+    return out
 
 
 def _to_tensor(rows, stored, dtype):
@@ -124,7 +165,23 @@ def _to_tensor(rows, stored, dtype):
     16 bits: rounded to nearest even)."""
     if stored == dtype:
         return paddle.to_tensor(rows)  # uint16 -> bfloat16: the same bits
+    if stored in INT8_MAPS:
+        return cast_nearest(_records_f32(rows, stored), dtype)
     return cast_nearest(paddle.to_tensor(rows_as_float32(rows, stored)), dtype)
+
+
+def _write_into(target, offset, rows, stored):
+    """Host rows stored as `stored` written into rows offset … of head array `target`."""
+    n = rows.shape[0]
+    if not isinstance(target, Int8Rows):
+        target[offset:offset + n] = _to_tensor(rows, stored, storage_name(target))
+    elif stored == target.map.name:  # the stored codes and scales, as they are
+        target.codes[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["codes"]))
+        target.scale[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["scale"]))
+    else:  # another dtype: its float32 values, rounded to nearest
+        values = _records_f32(rows, stored) if stored in INT8_MAPS else \
+            paddle.to_tensor(rows_as_float32(rows, stored))
+        target.write(offset, values)
 
 
 def _map_npy(file):
@@ -154,14 +211,27 @@ def _head_file(path, rank, name):
     return file
 
 
+def _expected(dtype, row_shape, found):
+    """(numpy dtype, row shape or None) a .npy of head dtype `dtype` holds for values of
+    `row_shape` (8 bits: records of the row's codes; their width from `found` when unknown)."""
+    if dtype not in INT8_MAPS:
+        return np.dtype(NPY_DTYPES.get(dtype, dtype)), row_shape
+    if row_shape is None:
+        codes = found.fields.get("codes") if found.names else None
+        width = codes[0].shape[0] if codes and codes[0].shape else 0
+        return record_dtype(dtype, width), None
+    return record_dtype(dtype, row_shape[-1]), tuple(row_shape[:-1])
+
+
 def _open_rows(file, dtype, count, row_shape=None):
-    """Memory-mapped `file`, checked: `count` rows (of `row_shape` if given) stored as `dtype`."""
+    """Memory-mapped `file`, checked: `count` rows (of `row_shape` values if given) stored as
+    `dtype`."""
     rows = _map_npy(file)
-    expect = np.dtype(NPY_DTYPES.get(dtype, dtype))
+    expect, npy_rows = _expected(dtype, row_shape, rows.dtype)
     ok = (rows.ndim >= 1 and rows.shape[0] == count and rows.dtype == expect
-          and (row_shape is None or tuple(rows.shape[1:]) == tuple(row_shape)))
+          and (npy_rows is None or tuple(rows.shape[1:]) == tuple(npy_rows)))
     if not ok:
-        want = (count,) + tuple(row_shape) if row_shape is not None else f"{count} rows"
+        want = (count,) + tuple(npy_rows) if npy_rows is not None else f"{count} rows"
         raise ValueError(f"{file} holds {rows.dtype} of shape {rows.shape}; expected {dtype} "
                          f"(stored as {expect}) of shape {want}")
     return rows
@@ -203,17 +273,19 @@ def load_head_rows(path, name, class_start, num_local, meta=None):
 
 
 def load_head_rows_into(path, name, class_start, tensor, meta=None):
-    """Fill `tensor` (Paddle, `[n, ...]`, float32/bfloat16/float16) in place with rows
-    [class_start, class_start + n) of head array `name`, from a checkpoint of any world size,
-    a slab at a time (memory-mapped reads; no second copy of the array).
+    """Fill `tensor` (Paddle, `[n, ...]`, float32/bfloat16/float16, or an `Int8Rows`) in place
+    with rows [class_start, class_start + n) of head array `name`, from a checkpoint of any
+    world size, a slab at a time (memory-mapped reads; no second copy of the array).
 
     A stored bfloat16 or float16 becomes float32 exactly; float32 becomes 16 bits rounded to
-    nearest even."""
+    nearest even; 8-bit rows of the tensor's map are copied as stored, any other stored dtype
+    is quantised to nearest; 8-bit rows go into a float tensor as their float32 values."""
     meta = read_meta(path) if meta is None else meta
     stored, dtype = head_dtype(path, name, meta), array_dtype(tensor)
-    if stored != dtype and not (stored in STORAGE_DTYPES and dtype in STORAGE_DTYPES):
+    known = STORAGE_DTYPES + tuple(INT8_MAPS)
+    if stored != dtype and not (stored in known and dtype in known):
         raise TypeError(f"cannot load head array {name!r} of checkpoint {path} (stored as "
-                        f"{stored}) into a {dtype} tensor; expected float32, bfloat16 or float16")
+                        f"{stored}) into a {dtype} tensor; expected one of {', '.join(known)}")
     row_shape = tuple(int(d) for d in tensor.shape[1:])
     step = slab_rows(row_shape)
     with paddle.no_grad():
@@ -221,6 +293,5 @@ def load_head_rows_into(path, name, class_start, tensor, meta=None):
                                                  int(tensor.shape[0]), row_shape):
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
-                tensor[offset + a - lo:offset + b - lo] = _to_tensor(_read_rows(file, a, b),
-                                                                     stored, dtype)
+                _write_into(tensor, offset + a - lo, _read_rows(file, a, b), stored)
     return tensor

@@ -16,10 +16,11 @@ forms its gradient, accumulates the embedding gradient and writes that
 block's weight gradient. The collectives are the dense path's: one MAX, one
 SUM, the loss SUM (and the embedding-gradient reduce-scatter outside).
 
-Storage is not compute: the weight (and bias) may be stored in bfloat16 or float16. Each
-block of rows is upcast to float32 for its GEMMs (`_rows_f32`, the one place this happens;
-Paddle 3.3 has no 16-bit matmul on CPU) and every statistic (row max, sum of exponentials,
-target logit, log-probability) is float32.
+Storage is not compute: the weight (and bias) may be stored in bfloat16 or float16, or the
+weight in 8 bits a value with a scale a row (`plsc.quantized.Int8Rows`, which is no Paddle
+tensor: its gradient goes to `row_update`). Each block of rows is read as float32 for its GEMMs
+(`rows_f32`, the one place this happens; Paddle 3.3 has no 16-bit matmul on CPU) and every
+statistic (row max, sum of exponentials, target logit, log-probability) is float32.
 
 Sub-centres (K centres a class, class-major rows): a block's GEMM gives the `[N, K·width]`
 cosines of its centres; `_class_max` reduces them to the class logits and remembers the winning
@@ -53,7 +54,8 @@ from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_,
                            remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
-from ..numerics import SLAB_BYTES, sqrt_exact, to_float32
+from ..numerics import SLAB_BYTES, sqrt_exact
+from ..quantized import Int8Rows, rows_f32 as _rows_f32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 
@@ -63,14 +65,9 @@ _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is on
 _MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
 
-def _rows_f32(t, start=0, stop=None):
-    """Rows [start, stop) of `t` as float32 (a view when `t` is float32, else an upcast copy)."""
-    return to_float32(t[start:stop] if (start, stop) != (0, None) else t)
-
-
 def _inv_row_norms(weight):
-    """1/|W_j| of every row, float32; a 16-bit weight is upcast a slab of rows at a time."""
-    if weight.dtype == paddle.float32:
+    """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time."""
+    if not isinstance(weight, Int8Rows) and weight.dtype == paddle.float32:
         return 1.0 / _row_norm(weight)
     step = max(1, SLAB_BYTES // (4 * weight.shape[1]))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
@@ -295,6 +292,9 @@ def _gather(step, features, weight, bias, local_target):
     step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
                           step.sub_centers)
     step.need_x, step.need_w = not features.stop_gradient, not weight.stop_gradient
+    if step.need_w and isinstance(weight, Int8Rows) and step.row_update is None:
+        raise ValueError("an 8-bit weight (Int8Rows) has no autograd gradient: give row_update, "
+                         "which receives its gradient rows")
 
 
 def _logits(step, dtype):
@@ -532,10 +532,10 @@ class _ParallelSoftmaxCE(PyLayer):
             _give_back(step, block.buffer, block.centre_buffer)
         d_b = _close_grads(step)
         d_x = _gather_grad(step, d_x)
-        # One gradient per tensor passed to `apply`, in the order they were passed there.
-        if step.bias is not None:
-            return d_x, d_w, d_b, None
-        return d_x, d_w, None
+        # One gradient per tensor passed to `apply`, in the order they were passed there (an
+        # 8-bit weight is no tensor).
+        grads = (d_x,) + (() if isinstance(step.weight, Int8Rows) else (d_w,))
+        return grads + ((d_b,) if step.bias is not None else ()) + (None,)
 
 
 def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin, group=None,
@@ -547,7 +547,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     Args:
         features: `[N, d]` float32, the gathered global batch (same on every rank).
         weight: `[C_local·sub_centers, d]`, this rank's class centres (float32, bfloat16 or
-            float16); with sub-centres, class j's are rows j·K … j·K + K − 1.
+            float16, or a `plsc.quantized.Int8Rows` with `row_update`); with sub-centres, class
+            j's are rows j·K … j·K + K − 1.
         bias: `[C_local]` or None (used only by the plain `Softmax` margin).
         local_target: `[N]` int64, the label's index into `weight` where this
             rank owns it, -1 elsewhere (see `ClassPartition.shard_labels`).

@@ -7,7 +7,8 @@ from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import take_rows
-from ..numerics import STORAGE_DTYPES, SLAB_BYTES, cast_nearest, gather_rows, to_float32
+from ..numerics import STORAGE_DTYPES, SLAB_BYTES, cast_nearest
+from ..quantized import Int8Rows, take_f32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
@@ -49,8 +50,11 @@ class PartialFC(nn.Layer):
             They are alive at the step's peak anyway; between steps they stay
             allocated (`head.workspace.nbytes`; `head.workspace.clear()` frees them).
         param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
-            or "float16". Every GEMM reads a block of rows upcast to float32 and every softmax
-            statistic is float32; only storage is 16-bit (half the bytes per class).
+            or "float16"; or "int8": `weight` is a `plsc.quantized.Int8Rows` (a byte a value
+            and a float32 scale a row, a quarter of float32's bytes; `bias` stays float32), whose
+            gradient goes to `row_update` or, without one, to `row_gradient("weight")`. Every
+            GEMM reads a block of rows as float32 and every softmax statistic is float32; only
+            storage is narrower.
         sub_centers: K centres a class (sub-center ArcFace; normalised margins only):
             `weight` is `[num_local·K, d]`, local class j's centres are rows j·K … j·K + K − 1,
             and a class's cosine is the largest of its centres'. Partial FC samples classes
@@ -108,8 +112,8 @@ class PartialFC(nn.Layer):
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start = self.partition.class_start(self.rank)
         self.num_local = self.partition.num_local(self.rank)
-        if param_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"param_dtype must be one of {', '.join(STORAGE_DTYPES)}, "
+        if param_dtype not in STORAGE_DTYPES + ("int8",):
+            raise ValueError(f"param_dtype must be one of {', '.join(STORAGE_DTYPES)} or int8, "
                              f"got {param_dtype!r}")
         self.param_dtype = param_dtype
         if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
@@ -130,7 +134,8 @@ class PartialFC(nn.Layer):
                                         init_std, param_dtype)
         self.bias = None
         if not margin.normalized:
-            self.bias = self.create_parameter([self.num_local], dtype=param_dtype, is_bias=True,
+            bias_dtype = "float32" if param_dtype == "int8" else param_dtype  # a value a row
+            self.bias = self.create_parameter([self.num_local], dtype=bias_dtype, is_bias=True,
                                               default_initializer=nn.initializer.Constant(0.0))
         # The sampling step counter lives on the host, so reading it never waits for a device.
         self.register_buffer("sample_step", paddle.zeros([], dtype="int64").cpu())
@@ -140,6 +145,7 @@ class PartialFC(nn.Layer):
         self.sampled_index = self.sampled_rows = self.sampled_weight = self.sampled_bias = None
         self._last_target = self._bad_labels = self._global_labels = None
         self.row_update = None
+        self._dense_grads = {}  # an 8-bit weight's gradient (and the bias's) without row_update
 
     def forward(self, embeddings, labels):
         labels = self._check_local(embeddings, labels)
@@ -155,10 +161,13 @@ class PartialFC(nn.Layer):
         weight, bias, local_target = self._select_centres(local_target)
         features = all_gather(embeddings.astype("float32"), self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
+        row_update = self.row_update
+        if row_update is None and isinstance(weight, Int8Rows):
+            row_update = self._keep_dense_gradient  # autograd has no 8-bit gradient
         losses = parallel_softmax_cross_entropy(
             features, weight, bias, local_target, self.margin, self.group, self.last_chunk_size,
             self.workspace, grad_into_weight=weight is self.sampled_weight,
-            row_update=self.row_update, sub_centers=self.sub_centers,
+            row_update=row_update, sub_centers=self.sub_centers,
             interclass_filtering_threshold=self.interclass_filtering_threshold)
         b = labels.shape[0]
         self.sample_loss = losses[self.rank * b:(self.rank + 1) * b].detach()
@@ -199,18 +208,48 @@ class PartialFC(nn.Layer):
         rows are gathered and upcast a slab at a time into the float32 rows."""
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
-        source = param.detach()
+        source = param if isinstance(param, Int8Rows) else param.detach()
         rows = out.detach() if out is not None else None  # a new leaf over the buffer
-        if source.dtype == paddle.float32:
+        if not isinstance(source, Int8Rows) and source.dtype == paddle.float32:
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
             step = max(1, SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
-                rows[lo:lo + part.shape[0]] = to_float32(gather_rows(source, part))
+                rows[lo:lo + part.shape[0]] = take_f32(source, part)
         rows.stop_gradient = param.stop_gradient
         return rows
+
+    def _keep_dense_gradient(self, lo, hi, weight_grad, bias_grad):
+        """The backward's sink for an 8-bit weight without `row_update`: its gradient rows (and
+        the bias's) are added to float32 arrays the optimizer reads (`row_gradient`), summed
+        over the backwards until `drop_dense_gradients`, as Paddle sums a parameter's."""
+        for name, grad, param in (("weight", weight_grad, self.weight),
+                                  ("bias", bias_grad, self.bias)):
+            if grad is not None:
+                if name not in self._dense_grads:
+                    self._dense_grads[name] = paddle.zeros(param.shape, dtype="float32")
+                self._dense_grads[name][lo:hi] += grad
+
+    def row_gradient(self, name):
+        """The gradient of "weight" or "bias" that the backwards since the optimizer's last step
+        left (float32 or the storage dtype), or None: of the rows `sampled_rows` /
+        `sampled_index` with Partial FC, of every row otherwise."""
+        if self.sampled_index is not None:
+            rows = self.sampled_weight if name == "weight" else self.sampled_bias
+            return None if rows is None else rows.grad
+        if name in self._dense_grads:
+            return self._dense_grads[name]
+        param = self.weight if name == "weight" else self.bias
+        return None if isinstance(param, Int8Rows) else param.grad
+
+    def drop_dense_gradients(self):
+        """Free the gradients of the whole weight and bias (an optimizer step used them)."""
+        self._dense_grads = {}
+        for param in (self.weight, self.bias):
+            if isinstance(param, paddle.Tensor):  # (clear_gradient(set_to_zero=False) does not
+                param.grad = None  # free it in Paddle 3.3; this does)
 
     def release_sampled_rows(self, gradients_kept=False):
         """Drop the last step's gathered rows and their gradients (the optimizer applied them).
@@ -291,18 +330,26 @@ class PartialFC(nn.Layer):
 
 def _normal_parameter(layer, shape, std, dtype):
     """A parameter of `dtype` drawn from N(0, std²): float32 draws made a slab of rows at a
-    time (the same numbers as one draw of the whole shape) and, for 16-bit storage, rounded to
-    nearest, so no whole float32 copy of a 16-bit parameter ever exists."""
+    time (the same numbers as one draw of the whole shape) and, for 16- and 8-bit storage,
+    rounded to nearest, so no whole float32 copy of a narrower parameter ever exists. int8: an
+    `Int8Rows`, not a Paddle parameter."""
     init = nn.initializer.Normal(0.0, std)
     if dtype == "float32":
         return layer.create_parameter(shape, dtype="float32", default_initializer=init)
-    param = layer.create_parameter(shape, dtype=dtype,
-                                   default_initializer=nn.initializer.Constant(0.0))
+    if dtype == "int8":
+        param = Int8Rows.zeros(shape)
+    else:
+        param = layer.create_parameter(shape, dtype=dtype,
+                                       default_initializer=nn.initializer.Constant(0.0))
     step = max(1, SLAB_BYTES // (4 * shape[1]))
     with paddle.no_grad():
         for lo in range(0, shape[0], step):
             rows = min(step, shape[0] - lo)
-            param[lo:lo + rows] = cast_nearest(paddle.normal(0.0, std, [rows, shape[1]]), dtype)
+            draw = paddle.normal(0.0, std, [rows, shape[1]])
+            if dtype == "int8":
+                param.write(lo, draw)
+            else:
+                param[lo:lo + rows] = cast_nearest(draw, dtype)
     return param
 
 

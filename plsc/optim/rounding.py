@@ -1,4 +1,5 @@
-"""Rounding float32 rows into 16-bit storage: to nearest even, or stochastically.
+"""Rounding float32 rows into 16-bit storage: to nearest even, or stochastically; and the
+uniform noise that 8-bit storage rounds with (`plsc.quantized`).
 
 `round_to(x, "bfloat16")` stores each value as its lower or upper 16-bit neighbour
 `lo <= x <= hi`, the upper with probability `(x - lo) / (hi - lo)`, so the stored
@@ -23,6 +24,8 @@ Method.
   stream, step and rank): uniform and pairwise independent (not 4-wise: the bits
   of a 2x2 block XOR to 0), so rounding errors are uncorrelated, at the cost of
   one broadcast per block.
+- 8-bit storage rounds with `uniform_noise`: 23 of the same bits as the mantissa of a
+  float in [1, 2), minus 1: uniform on the multiples of 2^-23 in [0, 1).
 
 Everything is tensor ops on x's device; nothing is read back to the host.
 """
@@ -32,7 +35,7 @@ import paddle
 
 from ..numerics import cast_nearest, dtype_name
 
-__all__ = ["round_to"]
+__all__ = ["round_to", "uniform_noise"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
     raise ImportError("plsc.optim.rounding assumes a little-endian host")
@@ -158,3 +161,13 @@ def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, str
     else:  # 13 bits at the top of a float32 mantissa, exponent 0: a float in [1, 2)
         out = _float16_stochastic(flat, _random_bits(rows, m, key, 13, x.place, 10, 0x3F800000))
     return out.reshape(x.shape)
+
+
+def uniform_noise(rows, m, seed=0, step=0, rank=0, stream=0, place=None):
+    """`[len(rows), m]` float32 noise, uniform on the multiples of 2^-23 in [0, 1), a pure
+    function of (seed, stream, step, rank, the global row index in `rows`, column), like
+    `round_to`'s bits: what 8-bit stochastic writes round with."""
+    place = rows.place if place is None else place
+    key = _key(seed, stream, step, rank)
+    bits = _random_bits(rows, m, key, 23, place, 0, 0x3F800000)
+    return bits.view("float32").scale_(1.0, bias=-1.0)

@@ -11,20 +11,24 @@ The formulas are Paddle's: `Momentum` with L2 weight decay added to the
 gradient, and `AdamW` with decoupled decay.
 
 Storage is not compute: the weight and the optimizer state may be stored in
-bfloat16 or float16. Each chunk's rows are read upcast to float32, updated in
-float32, and written back rounded to their storage dtype (`plsc.optim.rounding`;
-stochastically by default, with random bits that depend on the optimizer's own
-step count, the head's rank and the row, so a resumed run is bit-identical).
-Gradients may come in any float dtype and are upcast. Float32 storage is
-neither rounded nor changed in any bit.
+bfloat16, float16 or 8 bits a value with a scale a row (`plsc.quantized`). Each
+chunk's rows are read as float32, updated in float32, and written back rounded to
+their storage (`plsc.optim.rounding`; stochastically by default, with random bits
+that depend on the optimizer's own step count, the head's rank and the row, so a
+resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
+8-bit state uses the map `int8_maps` names for it (AdamW's moments are
+logarithmic, see `plsc.quantized`); state with one value a row (the bias's, AdamW's
+step counts) stays float32. Gradients may come in any float dtype and are upcast.
+Float32 storage is neither rounded nor changed in any bit.
 """
 import math
 import zlib
 
 import paddle
 
-from ..numerics import gather_rows, sqrt_exact, to_float32
-from .rounding import round_to
+from ..numerics import sqrt_exact, to_float32
+from ..quantized import Int8Rows, rows_f32, storage_name, take_f32
+from .rounding import round_to, uniform_noise
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
@@ -35,19 +39,21 @@ class SparseRowOptimizer:
     """Base: walks the head's (parameter, rows, gradient rows) and updates them in chunks.
 
     Args (of every subclass, after its own):
-        state_dtype: dtype of the state arrays; None (default): the parameter's.
-        rounding: how float32 results are written into 16-bit arrays: "stochastic"
+        state_dtype: dtype of the state arrays ("float32", "bfloat16", "float16" or "int8");
+            None (default): the parameter's.
+        rounding: how float32 results are written into 16- and 8-bit arrays: "stochastic"
             (default, unbiased) or "nearest" (to nearest even).
         seed: seed of the stochastic rounding's random bits, which depend on
             (seed, array, `step_count`, `head.rank`, row, column).
     """
 
     state_names = ()
+    int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
-        if state_dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16 or "
-                             f"float16, got {state_dtype!r}")
+        if state_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16, "
+                             f"float16 or int8, got {state_dtype!r}")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
         self.learning_rate = learning_rate
@@ -64,9 +70,9 @@ class SparseRowOptimizer:
     def stash(self, head):
         """Keep the sampled rows' gradients of a micro-batch for the next `step`
         (gradient accumulation with Partial FC: each micro-batch samples anew)."""
-        for name, _, index, rows in _head_rows(head):
-            if index is not None and rows is not None and rows.grad is not None:
-                self._stash.setdefault(name, []).append((index, rows.grad))
+        for name, _, index, grad in _head_rows(head):
+            if index is not None and grad is not None:
+                self._stash.setdefault(name, []).append((index, grad))
         head.release_sampled_rows(gradients_kept=True)
 
     def step(self, head, grad_scale=1.0):
@@ -75,8 +81,7 @@ class SparseRowOptimizer:
         lr = self.get_lr()
         for name, param, index, grad in self._gradients(head):
             self._apply(name, param, head.rank, index, 0, grad, lr, grad_scale)
-            if index is None:
-                param.grad = None  # frees it; clear_gradient(set_to_zero=False) does not (Paddle 3.3)
+        head.drop_dense_gradients()
         self._stash = {}
         self.end_fused_step(head)
 
@@ -120,17 +125,15 @@ class SparseRowOptimizer:
     def discard(self, head):
         """Drop the pending gradients without applying them (a skipped step)."""
         self._stash = {}
-        for _, param, index, _ in _head_rows(head):
-            if index is None:
-                param.grad = None
+        head.drop_dense_gradients()
         head.release_sampled_rows()
 
     def _pending(self, head):
         """(name, parameter, [(row index or None, gradient rows), ...]) awaiting `step`."""
-        for name, param, index, rows in _head_rows(head):
+        for name, param, index, grad in _head_rows(head):
             parts = list(self._stash.get(name, ()))
-            if rows is not None and rows.grad is not None:
-                parts.append((index, rows.grad))
+            if grad is not None:
+                parts.append((index, grad))
             if parts:
                 yield name, param, parts
 
@@ -156,17 +159,26 @@ class SparseRowOptimizer:
     def init_state(self, head):
         """Create the state of the head's arrays (zeros, in their storage dtype) where missing,
         and return `state_dict()`: a resume fills these tensors in place."""
-        for name, param, _, _ in _head_rows(head):
+        for name, param in _head_params(head):
             self._state_for(name, param)
         return self.state_dict()
 
     def _state_for(self, name, param):
         if name not in self._state:
-            dtype = self.state_dtype or param.dtype
-            self._state[name] = {key: paddle.zeros(param.shape, dtype=dtype)
+            dtype = self.state_dtype or storage_name(param)
+            self._state[name] = {key: self._zeros(key, param.shape, dtype)
                                  for key in self.state_names}
             self._init_extra_state(self._state[name], param)
         return self._state[name]
+
+    def _zeros(self, key, shape, dtype):
+        """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
+        axes only; a value a row stays float32)."""
+        if dtype in ("int8", "int8_log", "uint8_log"):
+            if len(shape) < 2:
+                return paddle.zeros(shape, dtype="float32")
+            return Int8Rows.zeros(list(shape), self.int8_maps[key])
+        return paddle.zeros(shape, dtype=dtype)
 
     def _init_extra_state(self, state, param):
         pass
@@ -176,8 +188,8 @@ class SparseRowOptimizer:
         raise NotImplementedError
 
     def state_dict(self):
-        """Row arrays `"<param>.<state>"` (`[num_local, ...]`, in their storage dtype), and
-        `"step_count"` (0-d int64) once a write was rounded to 16 bits."""
+        """Row arrays `"<param>.<state>"` (`[num_local, ...]`, in their storage: tensors or
+        `Int8Rows`), and `"step_count"` (0-d int64) once a write was rounded."""
         out = {f"{name}.{key}": value for name, state in self._state.items()
                for key, value in state.items()}
         if self._rounded:
@@ -191,7 +203,8 @@ class SparseRowOptimizer:
                 self._rounded = True
                 continue
             name, key = full.rsplit(".", 1)
-            self._state.setdefault(name, {})[key] = paddle.to_tensor(value)
+            self._state.setdefault(name, {})[key] = value if isinstance(value, Int8Rows) \
+                else paddle.to_tensor(value)
 
 
 def _row_index(head, name):
@@ -199,20 +212,24 @@ def _row_index(head, name):
     return head.sampled_rows if name == "weight" else head.sampled_index
 
 
-def _head_rows(head):
-    """(name, parameter, row index or None for all rows, tensor carrying the gradient)."""
-    sampled = head.sampled_index is not None
-    yield ("weight", head.weight, _row_index(head, "weight"),
-           head.sampled_weight if sampled else head.weight)
+def _head_params(head):
+    """(name, parameter) of the head's row arrays."""
+    yield "weight", head.weight
     if head.bias is not None:
-        yield ("bias", head.bias, _row_index(head, "bias"),
-               head.sampled_bias if sampled else head.bias)
+        yield "bias", head.bias
+
+
+def _head_rows(head):
+    """(name, parameter, row index or None for all rows, the last backward's gradient of those
+    rows or None)."""
+    for name, param in _head_params(head):
+        yield name, param, _row_index(head, name), head.row_gradient(name)
 
 
 class _Rows:
     """A chunk of rows of the parameter `name` (`index[start:stop]`, or rows start..stop
     without an index): reads them from any array as float32 and writes float32 values back
-    in the array's dtype, rounded with bits of (seed, stream of the array, step, rank, row)."""
+    in the array's storage, rounded with bits of (seed, stream of the array, step, rank, row)."""
 
     def __init__(self, opt, name, rank, index, start, stop):
         self.opt, self.name, self.rank = opt, name, rank
@@ -220,19 +237,19 @@ class _Rows:
         self.start, self.stop = start, stop
 
     def read(self, t):
-        rows = t[self.start:self.stop] if self.index is None else gather_rows(t, self.index)
-        return to_float32(rows)
+        return rows_f32(t, self.start, self.stop) if self.index is None else take_f32(t, self.index)
 
     def write(self, t, value, key=""):
         """Store `value` (float32) in these rows of `t`, the array `key` of the parameter
         ("": the parameter itself)."""
+        if isinstance(t, Int8Rows):
+            self._write_8bit(t, value, key)
+            return
         if t.dtype != paddle.float32:
             self.opt._rounded = True
-            ids = self.index if self.index is not None else \
-                paddle.arange(self.start, self.stop, dtype="int64")
             value = round_to(value, t.dtype, self.opt.rounding, seed=self.opt.seed,
-                             step=self.opt.step_count, rank=self.rank, rows=ids,
-                             stream=zlib.crc32(f"{self.name}.{key}".encode()))
+                             step=self.opt.step_count, rank=self.rank, rows=self._ids(),
+                             stream=_stream(self.name, key))
         if self.index is None:
             t[self.start:self.stop] = value
         elif t.dtype == paddle.float32:
@@ -243,12 +260,31 @@ class _Rows:
         else:  # index_put_ is slow on rows of a 2-D tensor (5 ms for [1024, 512]), fast on 1-D
             t.index_put_((self.index,), value)
 
+    def _write_8bit(self, t, value, key):
+        self.opt._rounded = True
+        noise = None
+        if self.opt.rounding == "stochastic":
+            noise = uniform_noise(self._ids(), value.size // value.shape[0], seed=self.opt.seed,
+                                  step=self.opt.step_count, rank=self.rank,
+                                  stream=_stream(self.name, key)).reshape(value.shape)
+        t.write(self.start if self.index is None else self.index, value, noise)
+
+    def _ids(self):
+        return self.index if self.index is not None else \
+            paddle.arange(self.start, self.stop, dtype="int64")
+
+
+def _stream(name, key):
+    """The random stream of array `key` of parameter `name` ("": the parameter itself)."""
+    return zlib.crc32(f"{name}.{key}".encode())
+
 
 class SparseMomentum(SparseRowOptimizer):
     """SGD with momentum on the used rows: `g += wd·w; v = μ·v + g; w −= lr·v`
     (Nesterov: `w −= lr·(g + μ·v)`)."""
 
     state_names = ("velocity",)
+    int8_maps = {"velocity": "int8"}
 
     def __init__(self, learning_rate, momentum=0.9, weight_decay=0.0, use_nesterov=False,
                  state_dtype=None, rounding="stochastic", seed=0):
@@ -273,6 +309,7 @@ class SparseAdamW(SparseRowOptimizer):
     so that a row's state advances only when the row is used."""
 
     state_names = ("moment1", "moment2")
+    int8_maps = {"moment1": "int8_log", "moment2": "uint8_log"}
 
     def __init__(self, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01,
                  state_dtype=None, rounding="stochastic", seed=0):
