@@ -6,8 +6,8 @@ largest magnitude whenever the row is written. Rows are independent, so writing 
 leaves every other row bit for bit.
 
 Maps (the storage dtype names, as checkpoints' `head_dtypes` spell them):
-- "int8": linear, code c in [-127, 127], value c · scale with scale = max|x| / 127. Class
-  centres and SGD momentum: every value gets the same absolute step, max|x| / 127.
+- "int8": linear, code c in [-127, 127], value c · scale / 127 with scale = max|x|. Class
+  centres and SGD momentum: every value of a row gets the same absolute step, max|x| / 127.
 - "int8_log": signed, logarithmic: ±2^(-k/8) for k = 0 … 125 and 0 (code 0), scale =
   max|x|. AdamW's first moment: relative steps of 2^(1/8) (9 %) down to 2^-15.6 of the row's
   largest value.
@@ -26,7 +26,8 @@ storage dtype (float32 is returned as is, 16 bits upcast exactly, 8 bits dequant
 
 On the CPU both directions run as numpy on the tensors' memory, a slab of rows per kernel
 thread (`plsc.cpu_kernels`): the same IEEE operations as the Paddle ops used elsewhere, so the
-same bits (tested), 4-7 times faster than Paddle 3.3's CPU kernels for them.
+same bits (tested), 2.5-17 times faster than Paddle 3.3's CPU kernels on a [1024, 512] block
+(measured here).
 """
 import numpy as np
 import paddle
@@ -155,6 +156,29 @@ def _dequantize_numpy(codes, scale, m):
     return out
 
 
+def _count_at_most(m, y):
+    """`np.searchsorted(m.table, y, side="right")` (the number of the logarithmic map's values
+    <= y, for y in [-1, 1]) without a binary search: the octave and eighth from log2|y|, then
+    one exact comparison each way with the table mends an estimate that log2's rounding put one
+    off."""
+    t, n = m.table, len(m.table)
+    a = np.abs(y)
+    with np.errstate(divide="ignore"):
+        eighths = np.floor(np.log2(a) * np.float32(_LOG_STEPS))  # -inf at 0
+    eighths = np.maximum(eighths, -n)
+    if m.first == 0:  # values 0, then 2^(-k/8) at index 255 - k
+        est = np.where(a > 0, n - 1 + eighths, 0)
+    else:  # -2^(-k/8) at index k, 0 at 126, 2^(-k/8) at index 252 - k
+        zero = -m.first
+        est = np.where(y >= 0, np.maximum(n - 1 + eighths, zero), np.minimum(-eighths, zero - 1))
+    j = np.clip(est, 0, n - 1).astype(np.int64)  # the estimated last value <= y
+    j -= t[j] > y
+    j = np.maximum(j, -1)
+    up = np.minimum(j + 1, n - 1)
+    j += (t[up] <= y) & (j + 1 < n)
+    return j + 1
+
+
 def _quantize_numpy(x, m, noise):
     """`quantize` on CPU tensors: the same operations in numpy, a slab of rows at a time."""
     codes = paddle.empty(x.shape, m.code_dtype)
@@ -182,7 +206,7 @@ def _quantize_numpy(x, m, noise):
             c[lo:hi] = y
             return
         t = m.table
-        hi_ = np.clip(np.searchsorted(t, y, side="right"), 1, len(t) - 1)
+        hi_ = np.clip(_count_at_most(m, y), 1, len(t) - 1)
         low, high = t[hi_ - 1], t[hi_]
         if u is None:
             up = (y - low) > (high - y)

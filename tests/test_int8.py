@@ -20,7 +20,8 @@ def rows(n=64, d=48, seed=0, positive=False):
     """float32 rows with a wide range of magnitudes within each row (and a zero row)."""
     rng = np.random.RandomState(seed)
     x = rng.normal(size=(n, d)) * np.exp(rng.uniform(-12, 3, size=(n, d)))
-    x[3] = 0.0
+    if n > 3:
+        x[3] = 0.0
     if n > 6:
         x[5, :] = rng.normal(size=d) * 1e-30  # tiny, still normal float32
         x[6, :3] = np.abs(x[6]).max() * np.array([1e-11, -1e-13, 3e-10])  # below 2^-31.75
@@ -428,3 +429,41 @@ def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys, m
     with pytest.raises(SystemExit):  # argparse's choices: floats only
         reshard.main([src, "--dtype", "int8", "--output", str(tmp_path / "x")])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("d", [6, 7, 8])
+def test_indexed_writes_of_any_row_width_touch_only_their_rows(d):
+    """Rows written through an index (Partial FC's sampled rows) at widths the int32 scatter
+    cannot take (6, 7) and can (8): those rows hold the quantised values, the others stay."""
+    x = rows(n=10, d=d, seed=14)
+    stored = Int8Rows.from_float(paddle.to_tensor(x))
+    before = stored.codes.numpy().copy(), stored.scale.numpy().copy()
+    index = np.array([7, 1, 4])
+    new = rows(n=3, d=d, seed=15)
+    stored.write(paddle.to_tensor(index), paddle.to_tensor(new))
+    codes, scale = quantize(paddle.to_tensor(new))
+    np.testing.assert_array_equal(stored.codes.numpy()[index], codes.numpy())
+    np.testing.assert_array_equal(stored.scale.numpy()[index], scale.numpy())
+    rest = np.setdiff1d(np.arange(10), index)
+    np.testing.assert_array_equal(stored.codes.numpy()[rest], before[0][rest])
+    np.testing.assert_array_equal(stored.scale.numpy()[rest], before[1][rest])
+    np.testing.assert_array_equal(stored.take(paddle.to_tensor(index)).numpy(),
+                                  dequantize(codes, scale).numpy())
+
+
+@pytest.mark.parametrize("name", ["int8_log", "uint8_log"])
+def test_the_cpu_bracket_search_is_numpys_searchsorted(name):
+    """The CPU path finds each value's place in a logarithmic map from log2 (no binary search);
+    on the map's own values, their float32 neighbours, zeros, ±1 and values far below the
+    smallest step it is `np.searchsorted(table, y, side="right")`."""
+    from plsc.quantized import INT8_MAPS, _count_at_most
+    t = INT8_MAPS[name].table
+    rng = np.random.RandomState(3)
+    y = rng.uniform(-1, 1, 200000) * np.exp(rng.uniform(-30, 0, 200000))
+    y = np.concatenate([y, t, np.nextafter(t, np.float32(2)), np.nextafter(t, np.float32(-2)),
+                        [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45]]).astype(np.float32)
+    y = np.clip(y, -1, 1)
+    if name == "uint8_log":
+        y = np.abs(y)
+    np.testing.assert_array_equal(_count_at_most(INT8_MAPS[name], y),
+                                  np.searchsorted(t, y, side="right"))

@@ -52,7 +52,8 @@ class PartialFC(nn.Layer):
         param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
             or "float16"; or "int8": `weight` is a `plsc.quantized.Int8Rows` (a byte a value
             and a float32 scale a row, a quarter of float32's bytes; `bias` stays float32), whose
-            gradient goes to `row_update` or, without one, to `row_gradient("weight")`. Every
+            gradient goes to `row_update` or, without one, to `row_gradient("weight")`; it is no
+            Paddle parameter, so `state_dict()` leaves it out (plsc's checkpoints save it). Every
             GEMM reads a block of rows as float32 and every softmax statistic is float32; only
             storage is narrower.
         sub_centers: K centres a class (sub-center ArcFace; normalised margins only):
