@@ -241,6 +241,8 @@ def test_entry_set_param_dtype():
                                          r"int8, got 'int4'"):
         entry.set_param_dtype("int4")
     assert entry.get_config()["Loss"]["param_dtype"] == "bfloat16"  # unchanged by the error
+    cfg = entry.set_param_dtype("float32", state_dtype="int8").get_config()
+    assert cfg["Loss"]["param_dtype"] == "float32" and cfg["Optimizer"]["head_state_dtype"] == "int8"
 
 
 @pytest.mark.parametrize("dtype,ratio", [("float32", 1.0), ("float32", 0.5), ("bfloat16", 0.5),
