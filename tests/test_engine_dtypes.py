@@ -274,3 +274,34 @@ def test_unfused_head_update_trains_like_the_fused_one(tmp_path, data_root, dtyp
     assert_same_bits(a, b)
     assert ca == cb == 3
     assert_same_bits(backbone_bits(t_fused), backbone_bits(t_sep))
+
+
+def test_float32_checkpoint_resumes_as_int8_and_back(tmp_path, data_root):
+    """A float32 run's step-3 checkpoint resumed with Loss.param_dtype=int8: the centres and
+    the momentum are the float32 values quantised to nearest (plsc.quantized's rounding, whose
+    oracle tests are tests/test_int8.py's), and training goes on; that run's step-6 checkpoint
+    resumed as float32 holds the int8 rows' values exactly."""
+    from plsc.quantized import Int8Rows, quantize, rows_f32
+    full = Trainer(config(data_root, str(tmp_path / "f32")), backbone=make_backbone(0))
+    full.train()
+    step3 = os.path.join(str(tmp_path / "f32"), "checkpoints", "step_00000003")
+    as8 = Trainer(config(data_root, str(tmp_path / "i8"), Global={"checkpoint": step3},
+                         Loss={"param_dtype": "int8"}), backbone=make_backbone(1))
+    assert as8.step == 3 and isinstance(as8.head.weight, Int8Rows)
+    import plsc.checkpoint as ckpt
+    for name, t in (("weight", as8.head.weight),
+                    ("opt.weight.velocity", as8.head_opt.state_dict()["weight.velocity"])):
+        codes, scale = quantize(paddle.to_tensor(ckpt.load_head_rows(step3, name, 0, CLASSES)))
+        np.testing.assert_array_equal(t.codes.numpy(), codes.numpy(), err_msg=name)
+        np.testing.assert_array_equal(t.scale.numpy(), scale.numpy(), err_msg=name)
+    history = as8.train()
+    assert [s for s, _ in history] == [4, 5, 6] and np.isfinite([v for _, v in history]).all()
+    step6 = os.path.join(str(tmp_path / "i8"), "checkpoints", "step_00000006")
+    back = Trainer(config(data_root, str(tmp_path / "back"), Global={"checkpoint": step6,
+                                                                     "max_steps": 7}),
+                   backbone=make_backbone(1))
+    assert back.head.weight.dtype == paddle.float32
+    np.testing.assert_array_equal(back.head.weight.numpy(), rows_f32(as8.head.weight).numpy())
+    np.testing.assert_array_equal(back.head_opt.state_dict()["weight.velocity"].numpy(),
+                                  rows_f32(as8.head_opt.state_dict()["weight.velocity"]).numpy())
+    assert [s for s, _ in back.train()] == [7]
