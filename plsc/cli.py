@@ -2,6 +2,7 @@
 turning a bad config or a missing file into one line on stderr and exit code 2, bad data into
 one line and exit code 65."""
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -61,11 +62,17 @@ def run_tool(args, task, *extra, expected=()):
 def _keep_status_on_sigterm(code):
     """While this process winds down with status `code`, a SIGTERM ends it with that status:
     Paddle's launcher terminates the other ranks when one exits, and its own exit status is the
-    first rank's (a rank ended by the signal would hide why the job stopped)."""
+    first rank's (a rank ended by the signal would hide why the job stopped). Once the
+    interpreter shuts down, Python handlers no longer run and CPython puts the default action
+    back, which would end the process as killed (seen in CI: the launcher's status was -15);
+    from the atexit stage on SIGTERM is ignored instead (CPython leaves an ignored signal
+    alone), so the process ends with `code` by itself (the launcher kills it after 3 s
+    otherwise)."""
     def end(signum, frame):
         sys.stderr.flush()
         os._exit(code)
     try:
         signal.signal(signal.SIGTERM, end)
     except ValueError:  # not the main thread
-        pass
+        return
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)

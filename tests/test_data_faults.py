@@ -275,3 +275,30 @@ def test_skip_bad_resume_equals_uninterrupted(tmp_path, folder, stop_at, counted
     for a, b in zip(full.backbone.parameters(), resumed.backbone.parameters()):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_array_equal(full.head.weight.numpy(), resumed.head.weight.numpy())
+
+
+def test_a_sigterm_while_the_interpreter_shuts_down_keeps_the_data_error_status(tmp_path):
+    """The launcher SIGTERMs the other ranks once one exits; a rank already winding down with
+    status 65 must end with 65 even when the signal comes while the interpreter finalises its
+    modules (Paddle's teardown), where Python handlers no longer run: a child process with a
+    slow finaliser is signalled inside it (seen in CI: the launcher reported -15)."""
+    import signal
+    child = tmp_path / "child.py"
+    child.write_text(textwrap.dedent("""
+        import sys, time
+        from plsc.cli import _keep_status_on_sigterm
+        class Slow:
+            def __del__(self):
+                print("finalising", flush=True)
+                end = time.time() + 3
+                while time.time() < end:
+                    pass
+        keep = Slow()
+        _keep_status_on_sigterm(65)
+        sys.exit(65)
+    """))
+    proc = subprocess.Popen([sys.executable, str(child)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "finalising"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == DATA_ERROR
