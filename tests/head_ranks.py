@@ -315,8 +315,9 @@ def storage_of(t):
 
 
 def _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x_local, y_local, **kw):
-    """A head storing `w` (and `b`; float32 values exactly representable in `dtype`) as
-    `dtype`, after one forward and backward on this rank's batch: (head, loss, x leaf)."""
+    """A head storing `w` (and `b`) as `dtype` (16 bits: values exactly representable in it;
+    int8: quantised to nearest, a scale a row), after one forward and backward on this rank's
+    batch: (head, loss, x leaf)."""
     import paddle
     from plsc.nn import PartialFC
     head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5, chunk_size=chunk,
@@ -333,10 +334,11 @@ def _run_head(margin, num_classes, ratio, chunk, dtype, w, b, x_local, y_local, 
 
 
 def check_dtype_vs_float32(margin, num_classes, ratio, chunk, dtype):
-    """A 16-bit head against the float32 head holding the same (rounded) values: loss,
+    """A 16- or 8-bit head against the float32 head holding the same (stored) values: loss,
     embedding gradient and Partial FC's float32 sampled-row gradients within 1e-5; the dense
-    16-bit weight gradient within half a 16-bit ulp; and the 16-bit head against the float64
-    dense oracle on the rounded weights (restricted to the sampled classes)."""
+    16-bit weight gradient within half a 16-bit ulp (8 bits: float32, 1e-5); and the narrow
+    head against the float64 dense oracle on the stored weights (restricted to the sampled
+    classes)."""
     import paddle
     from oracles import compare, make_case, rel_err
     from plsc.distributed import gather_concat, get_rank, get_world_size

@@ -88,7 +88,7 @@ def _fused_cases():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", _dtype_cases())
-def test_16_bit_head_matches_float32_head(world_size, name, tmp_path_factory):
+def test_narrow_head_matches_float32_head(world_size, name, tmp_path_factory):
     """bfloat16/float16 storage vs the float32 head on the same rounded values (and vs the
     float64 oracle on them): loss, embedding and sampled-row gradients within 1e-5."""
     errs = case(world_size, name, tmp_path_factory)

@@ -1,7 +1,8 @@
-"""16-bit class-centre storage and the fused optimizer update, in one process (world size 1).
+"""16- and 8-bit class-centre storage and the fused optimizer update, in one process (world
+size 1).
 
 The checks are tests/head_ranks.py's, which test_head_distributed.py runs on 2, 3 and 4 ranks:
-a bfloat16/float16 head against the float32 head holding the same rounded values (and the
+a bfloat16/float16/int8 head against the float32 head holding the same stored values (and the
 float64 oracle), and the optimizer applied inside the backward against `backward(); step()`
 bit for bit.
 """
@@ -20,7 +21,7 @@ from plsc.optim import SparseAdamW, SparseMomentum
 
 @pytest.mark.parametrize("dtype,margin,classes,ratio,chunk", dtype_cases(),
                          ids=[dtype_case_name(*c) for c in dtype_cases()])
-def test_16_bit_head_matches_float32_head(dtype, margin, classes, ratio, chunk):
+def test_narrow_head_matches_float32_head(dtype, margin, classes, ratio, chunk):
     errs = check_dtype_vs_float32(margins()[margin], classes, ratio, chunk, dtype)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)
