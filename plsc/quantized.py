@@ -301,16 +301,16 @@ class Int8Rows:
 
 
 def _take(codes, index):
-    """Rows `index` of 8-bit `codes` (numpy on CPU tensors: Paddle 3.3 has no 8-bit
-    index_select there)."""
+    """Rows `index` of 8-bit `codes` (rows of an even width as int16 words through
+    `take_rows`: Paddle 3.3 has no 8-bit index_select on the CPU)."""
     if codes.ndim == 2 and codes.shape[1] % 2 == 0:
         return take_rows(codes.view("int16"), index).view(codes.dtype)
     return paddle.gather(codes, index)
 
 
 def _put(codes, index, values):
-    """codes[index] = values, rows of 8-bit codes (Paddle 3.3 has no 8-bit scatter on CPU: rows
-    of an even width move as int16 words... which scatter lacks too; as int32 when they can)."""
+    """codes[index] = values, rows of 8-bit codes (Paddle 3.3 has no 8- or 16-bit scatter on
+    the CPU: rows whose width is a multiple of 4 move as int32 words, others by index_put_)."""
     if codes.ndim == 2 and codes.shape[1] % 4 == 0:
         codes.view("int32").scatter_(index, values.view("int32"), overwrite=True)
     else:
