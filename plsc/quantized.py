@@ -33,10 +33,12 @@ import numpy as np
 import paddle
 
 from .cpu_kernels import applies, as_numpy, run_rows, take_rows
-from .numerics import gather_rows, to_float32
+from .numerics import STORAGE_DTYPES, gather_rows, to_float32
 
-__all__ = ["INT8_MAPS", "Int8Rows", "quantize", "dequantize", "rows_f32", "take_f32",
-           "storage_name", "record_dtype"]
+__all__ = ["HEAD_DTYPES", "INT8_MAPS", "Int8Rows", "quantize", "dequantize", "rows_f32",
+           "take_f32", "storage_name", "record_dtype"]
+
+HEAD_DTYPES = STORAGE_DTYPES + ("int8",)  # what a head array or its state may be stored as
 
 _LOG_STEPS = 8  # codes an octave of the logarithmic maps
 _SLAB_VALUES = 1 << 16  # values of a slab of rows on the CPU path
@@ -144,7 +146,7 @@ def _flat(t):
 def _dequantize_numpy(codes, scale, m):
     out = paddle.empty(codes.shape, "float32")
     c, s, o = _flat(codes), as_numpy(scale).reshape(-1), _flat(out)
-    table = None if m.table is None else m.table
+    table = m.table
 
     def rows(lo, hi):
         if table is None:
@@ -253,10 +255,6 @@ class Int8Rows:
     @property
     def place(self):
         return self.codes.place
-
-    @property
-    def dtype_name(self):
-        return self.map.name
 
     @property
     def nbytes(self):

@@ -10,7 +10,7 @@ import paddle
 
 from ..distributed import ClassPartition
 from ..fileio import commit_folder, copy_file, temp_folder
-from ..numerics import cast_nearest
+from ..numerics import STORAGE_DTYPES, cast_nearest
 from ..quantized import INT8_MAPS, quantize
 from .head_arrays import (NPY_DTYPES, head_dtype, load_head_rows, records_of, rows_as_float32,
                           slab_rows, stream_npy)
@@ -21,7 +21,6 @@ from .manifest import write_manifest
 __all__ = ["copy_checkpoint", "reshard_checkpoint", "convert_checkpoint", "export_classifier",
            "import_classifier", "write_k1_checkpoint"]
 
-_FLOATS = ("float32", "bfloat16", "float16")
 
 
 def _float32_round_to_odd(x):
@@ -104,11 +103,13 @@ def convert_checkpoint(src, dst, dtype):
     The stored config says `Loss.param_dtype: dtype` and `Optimizer.head_state_dtype: null`.
     Values are converted exactly where the new dtype holds them (to float32 always), else
     rounded to nearest even."""
-    if dtype not in _FLOATS:
-        raise ValueError(f"a checkpoint converts to one of {', '.join(_FLOATS)}, got {dtype!r}")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"a checkpoint converts to one of {', '.join(STORAGE_DTYPES)}, "
+                         f"got {dtype!r}")
     meta = read_meta(src)
     old = {name: head_dtype(src, name, meta) for name in meta["head_arrays"]}
-    new = {name: dtype if d in _FLOATS + tuple(INT8_MAPS) and not name.endswith(".steps") else d
+    convertible = STORAGE_DTYPES + tuple(INT8_MAPS)
+    new = {name: dtype if d in convertible and not name.endswith(".steps") else d
            for name, d in old.items()}
     out = dict(meta, head_dtypes=new)
     if isinstance(meta.get("config"), dict):

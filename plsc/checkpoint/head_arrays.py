@@ -160,14 +160,19 @@ def records_of(codes, scale, name):
     return out
 
 
+def _values_f32(rows, stored):
+    """Host rows stored as head dtype `stored` -> their float32 values, a Paddle tensor."""
+    if stored in INT8_MAPS:
+        return _records_f32(rows, stored)
+    return paddle.to_tensor(rows_as_float32(rows, stored))
+
+
 def _to_tensor(rows, stored, dtype):
     """Host rows stored as head dtype `stored` -> a Paddle tensor of `dtype` (float32: exact;
     16 bits: rounded to nearest even)."""
     if stored == dtype:
         return paddle.to_tensor(rows)  # uint16 -> bfloat16: the same bits
-    if stored in INT8_MAPS:
-        return cast_nearest(_records_f32(rows, stored), dtype)
-    return cast_nearest(paddle.to_tensor(rows_as_float32(rows, stored)), dtype)
+    return cast_nearest(_values_f32(rows, stored), dtype)
 
 
 def _write_into(target, offset, rows, stored):
@@ -179,9 +184,7 @@ def _write_into(target, offset, rows, stored):
         target.codes[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["codes"]))
         target.scale[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["scale"]))
     else:  # another dtype: its float32 values, rounded to nearest
-        values = _records_f32(rows, stored) if stored in INT8_MAPS else \
-            paddle.to_tensor(rows_as_float32(rows, stored))
-        target.write(offset, values)
+        target.write(offset, _values_f32(rows, stored))
 
 
 def _map_npy(file):

@@ -7,8 +7,8 @@ from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import take_rows
-from ..numerics import STORAGE_DTYPES, SLAB_BYTES, cast_nearest
-from ..quantized import Int8Rows, take_f32
+from ..numerics import SLAB_BYTES, cast_nearest
+from ..quantized import HEAD_DTYPES, Int8Rows, take_f32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
@@ -113,8 +113,8 @@ class PartialFC(nn.Layer):
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start = self.partition.class_start(self.rank)
         self.num_local = self.partition.num_local(self.rank)
-        if param_dtype not in STORAGE_DTYPES + ("int8",):
-            raise ValueError(f"param_dtype must be one of {', '.join(STORAGE_DTYPES)} or int8, "
+        if param_dtype not in HEAD_DTYPES:
+            raise ValueError(f"param_dtype must be one of float32, bfloat16, float16 or int8, "
                              f"got {param_dtype!r}")
         self.param_dtype = param_dtype
         if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:

@@ -27,7 +27,7 @@ import zlib
 import paddle
 
 from ..numerics import sqrt_exact, to_float32
-from ..quantized import Int8Rows, rows_f32, storage_name, take_f32
+from ..quantized import HEAD_DTYPES, INT8_MAPS, Int8Rows, rows_f32, storage_name, take_f32
 from .rounding import round_to, uniform_noise
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
@@ -51,7 +51,7 @@ class SparseRowOptimizer:
     int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
-        if state_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+        if state_dtype is not None and state_dtype not in HEAD_DTYPES:
             raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16, "
                              f"float16 or int8, got {state_dtype!r}")
         if rounding not in ("stochastic", "nearest"):
@@ -174,7 +174,7 @@ class SparseRowOptimizer:
     def _zeros(self, key, shape, dtype):
         """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
         axes only; a value a row stays float32)."""
-        if dtype in ("int8", "int8_log", "uint8_log"):
+        if dtype in INT8_MAPS:
             if len(shape) < 2:
                 return paddle.zeros(shape, dtype="float32")
             return Int8Rows.zeros(list(shape), self.int8_maps[key])
