@@ -10,6 +10,7 @@ import copy
 import difflib
 import numbers
 import os
+import re
 
 import yaml
 
@@ -25,10 +26,15 @@ REQUIRED = object()
 _NOUNS = {int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
 
 
+_EXPONENT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _typed(value, types):
     """`value` if of one of `types` (numbers.Integral for int, Real for float; numpy numbers
     made Python ones, bool never a number), else None."""
     abcs = tuple({int: numbers.Integral, float: numbers.Real}.get(t, t) for t in types)
+    if float in types and isinstance(value, str) and _EXPONENT.match(value):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string: it wants 1.0e-3
     if isinstance(value, bool) or not isinstance(value, abcs):
         return None
     if isinstance(value, numbers.Number) and type(value) not in (int, float):
@@ -142,6 +148,10 @@ SCHEMA = {
                          nullable=True),
         "pretrained": _k(str, None, "backbone weights to start from: plsc's .pdparams or "
                          "arcface_torch's .pt/.pth (docs/weights.md)", nullable=True),
+        "max_nonfinite_steps": _k(int, 3, "consecutive steps with a non-finite loss or gradient "
+                                  "that are skipped before the run stops as diverged (exit 70; "
+                                  "0: stop at the first); with float16 AMP, skips at the loss "
+                                  "scaler's floor", low=0),
         "cpu_threads": _k(int, None, "CPU threads per rank; null: the rank's usable cores divided "
                           "by the ranks on its node (an OMP_NUM_THREADS above 1 is kept)",
                           nullable=True, low=1),

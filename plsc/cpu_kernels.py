@@ -23,7 +23,8 @@ import numpy as np
 import paddle
 
 __all__ = ["set_threads", "threads", "applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
-           "row_max", "exp_shifted_", "remove_row_components_", "take_rows"]
+           "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
+           "finite_flag"]
 
 _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
 
@@ -224,3 +225,33 @@ def take_rows(src, index, out=None):
     run_rows(lambda lo, hi: np.take(s, i[lo:hi], axis=0, out=o[lo:hi], mode="clip"),
              index.shape[0], max(1, _SLAB_FLOATS // width))
     return out
+
+
+def all_finite(*tensors):
+    """Whether every element of the given tensors (None: skipped) is finite, as a Python bool.
+    A float32 CPU tensor is checked in slabs of its memory; any other is checked with Paddle's
+    ops and read back (on a GPU that read waits for the device)."""
+    for t in tensors:
+        if t is None or t.size == 0:
+            continue
+        if not applies(t) or not t.is_contiguous():
+            if not bool(paddle.isfinite(t).all()):
+                return False
+            continue
+        a = as_numpy(t).reshape([-1, t.shape[-1] if t.ndim else 1])
+        bad = []
+        run_rows(lambda lo, hi: bad.append(not np.isfinite(a[lo:hi]).all()), a.shape[0],
+                 max(1, _SLAB_FLOATS // max(1, a.shape[1])))
+        if any(bad):
+            return False
+    return True
+
+
+def finite_flag(tensors):
+    """A 0-d bool tensor: every tensor (None: skipped) is free of inf and NaN. On the CPU the
+    check runs on the tensors' memory; elsewhere it stays on the device (nothing is read)."""
+    tensors = [t for t in tensors if t is not None]
+    if all(t.place.is_cpu_place() for t in tensors):
+        return paddle.to_tensor(all_finite(*tensors))
+    flags = [paddle.isfinite(t).all() for t in tensors]
+    return paddle.stack(flags).all() if flags else paddle.to_tensor(True)

@@ -120,12 +120,18 @@ class VerificationEvaluator:
         return os.path.join(self.root, f"{target}.bin")
 
     def __call__(self, model, with_roc=False):
-        """{target: report} (see plsc.metrics.verification_report), on every rank."""
+        """{target: report} (see plsc.metrics.verification_report), on every rank; a target
+        whose embeddings (or their flips') are not all finite gets `{"accuracy": None,
+        "nonfinite": rows not finite, "embeddings": rows}` instead."""
         reports = {}
         for target in self.targets:
             if target not in self._packs:
                 self._packs[target] = load_verification_arrays(self.path(target), self.image_size)
             data, issame = self._packs[target]
             emb, flipped = extract_embeddings(model, data, self.batch_size)
+            bad = int((~np.isfinite(emb)).any(axis=1).sum() + (~np.isfinite(flipped)).any(axis=1).sum())
+            if bad:  # no accuracy of embeddings that are not numbers
+                reports[target] = {"accuracy": None, "nonfinite": bad, "embeddings": 2 * len(emb)}
+                continue
             reports[target] = verification_report(emb, issame, flipped, with_roc=with_roc)
         return reports

@@ -2,6 +2,7 @@
 import copy
 import os
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -62,3 +63,39 @@ def make_data(root):
         generate(root, image_size=IMAGE, num_identities=CLASSES, images_per_identity=6,
                  num_val_identities=8, num_pairs=40)
     return root
+
+
+def bits(t):
+    """A tensor's raw bits as an unsigned integer array (bfloat16's .numpy() is its uint16
+    bits already), so that comparisons are bit for bit (-0.0 != 0.0, NaN == NaN)."""
+    a = np.array(t.numpy())
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def head_bits(trainer):
+    """{name: bits} of the head's weight, bias and every optimizer state array (8-bit ones as
+    `<name>.codes` and `<name>.scale`), and the optimizer's step count."""
+    arrays = {"weight": trainer.head.weight}
+    if trainer.head.bias is not None:
+        arrays["bias"] = trainer.head.bias
+    for key, value in trainer.head_opt.state_dict().items():
+        if key != "step_count":
+            arrays[f"opt.{key}"] = value
+    out = {}
+    for name, t in arrays.items():
+        if hasattr(t, "codes"):  # plsc.quantized.Int8Rows
+            out[name + ".codes"], out[name + ".scale"] = bits(t.codes), bits(t.scale)
+        else:
+            out[name] = bits(t)
+    return out, trainer.head_opt.step_count
+
+
+def backbone_bits(trainer):
+    return {n: bits(p) for n, p in trainer.backbone.named_parameters()}
+
+
+def assert_same_bits(a, b):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)

@@ -7,7 +7,8 @@
 invariant: two optimizer steps on k ranks from fixed weights and a fixed global
 batch, with the class centres stored as `--dtype` (Loss.param_dtype, default float32);
 rank 0 saves the resulting backbone and full classifier to OUT/result.npz,
-and the trainer saves a checkpoint (OUT/run/checkpoints/...).
+and the trainer saves a checkpoint (OUT/run/checkpoints/...); then a third step whose head
+gradient is NaN on the last rank only must be skipped by every rank (`skip_agreed`).
 resume: for each `--resume`, in turn in the same group, resume CKPT (written by any
 number of ranks, in any dtype) on k ranks with Loss.param_dtype DTYPE; rank 0 saves the
 re-sharded classifier and optimizer rows as resumed, then two more steps run from them
@@ -60,6 +61,33 @@ def run_steps(trainer, rank, world, reset=True):
     return losses
 
 
+def poisoned_step(trainer, rank, world):
+    """One more step whose head gradient is NaN on the last rank only (its fused update gets
+    NaN slabs; the loss stays finite): every rank must skip its backbone update. Returns
+    [share of the ranks whose backbone kept its bits, share that counted the skip]."""
+    import paddle
+    from plsc.distributed import all_reduce_
+    assert trainer.fused_head_update
+    before = [p.numpy().copy() for p in trainer.backbone.parameters()]
+    opt = trainer.head_opt
+    original = opt.fused_update
+    if rank == world - 1:
+        def poisoned(head, grad_scale=1.0):
+            update = original(head, grad_scale)
+            return lambda lo, hi, wg, bg: update(lo, hi, wg * float("nan"), bg)
+        opt.fused_update = poisoned
+    images, labels = global_batches(world, seed=3)[0]
+    per = 6 // world
+    sl = slice(rank * per, (rank + 1) * per)
+    loss = trainer.train_step([(paddle.to_tensor(images[sl]), paddle.to_tensor(labels[sl]))])
+    opt.fused_update = original
+    kept = all(np.array_equal(p.numpy(), b) for p, b in zip(trainer.backbone.parameters(), before))
+    flags = paddle.to_tensor([float(kept), float(trainer.nonfinite.run == 1 and np.isfinite(loss))])
+    if world > 1:
+        all_reduce_(flags, "sum")
+    return flags.numpy() / world
+
+
 def gather_head(trainer, name):
     """A class-indexed array of the head (weight or optimizer state) from every rank, as
     stored (bfloat16: its bits as uint16)."""
@@ -98,8 +126,10 @@ def run(mode, data, out, dtype, resumes, config_backbone=False):
         weight = gather_head(trainer, "weight")
         velocity = gather_head(trainer, "weight.velocity")
         trainer.save()
+        skip_agreed = poisoned_step(trainer, rank, world)
         if rank == 0:
             np.savez(os.path.join(out, "result.npz"), head=weight, velocity=velocity,
+                     skip_agreed=skip_agreed,
                      **{f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
         return
     results = {}

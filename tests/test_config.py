@@ -26,6 +26,21 @@ def test_defaults_and_typed_overrides(tmp_path):
     assert cfg["Global"]["checkpoint"] is None
 
 
+def test_exponent_numbers_without_a_dot(tmp_path):
+    """PyYAML reads `1e-3` as a string (YAML 1.1 wants `1.0e-3`); a number key takes it, in a
+    file and in -o alike; an int key and other strings still refuse it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("Loss: {num_classes: 10}\nData: {root: /data}\nOptimizer: {lr: 1e-3}\n")
+    assert yaml.safe_load(path.read_text())["Optimizer"]["lr"] == "1e-3"  # what PyYAML does
+    assert load_config(str(path))["Optimizer"]["lr"] == 0.001
+    cfg = load_config(str(path), ["Optimizer.lr=5E+2", "Optimizer.weight_decay=-.5e-4"])
+    assert cfg["Optimizer"]["lr"] == 500.0 and cfg["Optimizer"]["weight_decay"] == -5e-5
+    with pytest.raises(ConfigError, match=r"Global.max_steps must be int, got '1e3' \(str\)"):
+        load_config(str(path), ["Global.max_steps=1e3"])
+    with pytest.raises(ConfigError, match=r"Optimizer.lr must be number, got '1e' \(str\)"):
+        load_config(str(path), ["Optimizer.lr=1e"])
+
+
 @pytest.mark.parametrize("raw,pattern", [
     ({"Loss": {"num_clases": 3}}, r"unknown key 'Loss.num_clases'; did you mean 'num_classes'\?"),
     ({"Optimzer": {}}, r"unknown section 'Optimzer'; did you mean 'Optimizer'\?"),

@@ -208,3 +208,10 @@ def test_demo_config_end_to_end_shortened(tmp_path_factory):
     assert abs(again["accuracy"] - best["accuracy"]) <= 1e-6, (again["accuracy"], best)
     assert abs(again["embedding_norm"] - best["embedding_norm"]) <= 1e-6 * best["embedding_norm"], \
         (again["embedding_norm"], best)
+
+
+def test_a_non_finite_head_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path_factory):
+    """The head's finiteness rides along in the backbone's gradient all-reduce: with a NaN
+    head gradient on rank 1 only, both ranks keep their backbone's bits and count the skip."""
+    _, multi = run_group(tmp_path_factory, "ranks2", 2, "invariant")
+    np.testing.assert_array_equal(multi["skip_agreed"], [1.0, 1.0])

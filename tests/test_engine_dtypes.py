@@ -10,7 +10,8 @@ import pytest
 import yaml
 from paddle import nn
 
-from engine_common import CLASSES, IMAGE, config, make_backbone, make_data
+from engine_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config, head_bits,
+                           make_backbone, make_data)
 from plsc.config import ConfigError, load_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
@@ -20,42 +21,6 @@ from plsc.entry import Entry
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("synthetic")))
-
-
-def bits(t):
-    """A tensor's raw bits as an unsigned integer array (bfloat16's .numpy() is its uint16
-    bits already), so that comparisons are bit for bit (-0.0 != 0.0, NaN == NaN)."""
-    a = np.array(t.numpy())
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def head_bits(trainer):
-    """{name: bits} of the head's weight, bias and every optimizer state array (8-bit ones as
-    `<name>.codes` and `<name>.scale`), and the optimizer's step count."""
-    arrays = {"weight": trainer.head.weight}
-    if trainer.head.bias is not None:
-        arrays["bias"] = trainer.head.bias
-    for key, value in trainer.head_opt.state_dict().items():
-        if key != "step_count":
-            arrays[f"opt.{key}"] = value
-    out = {}
-    for name, t in arrays.items():
-        if hasattr(t, "codes"):  # plsc.quantized.Int8Rows
-            out[name + ".codes"], out[name + ".scale"] = bits(t.codes), bits(t.scale)
-        else:
-            out[name] = bits(t)
-    return out, trainer.head_opt.step_count
-
-
-def backbone_bits(trainer):
-    return {n: bits(p) for n, p in trainer.backbone.named_parameters()}
-
-
-def assert_same_bits(a, b):
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype, key
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def bf16_ulp(bits16):

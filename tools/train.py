@@ -7,7 +7,9 @@ On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a check
 written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
 same command resumes from it. When another rank dies, the others exit with status 69 and
 one line naming it. When a checkpoint cannot be written (disk full, I/O error) every rank
-exits with status 74 and one line (see docs/faults.md).
+exits with status 74 and one line. When the loss or gradients stay non-finite for more than
+Global.max_nonfinite_steps steps in a row, every rank exits with status 70 and one line naming
+the last finite checkpoint (see docs/faults.md).
 """
 import sys
 
@@ -18,6 +20,7 @@ def train(cfg):
     from plsc.train import Trainer
     from plsc.checkpoint import IO_ERROR_EXIT_CODE, CheckpointSaveError
     from plsc.train.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
+    from plsc.train.divergence import DIVERGED_EXIT_CODE, Diverged
     try:
         Trainer(cfg).train()
     except Preempted as err:
@@ -29,6 +32,9 @@ def train(cfg):
     except CheckpointSaveError as err:
         print(f"plsc: {err}", file=sys.stderr, flush=True)
         return IO_ERROR_EXIT_CODE
+    except Diverged as err:
+        print(f"plsc: {err}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT_CODE
 
 
 def main(argv=None):

@@ -57,6 +57,9 @@ def format_table(reports):
            f"{'TAR@1e-2':>9} {'TAR@1e-3':>9} {'TAR@1e-4':>9}"
     rows = [head, "-" * len(head)]
     for target, r in reports.items():
+        if r["accuracy"] is None:
+            rows.append(f"{target:<12} not finite: {r['nonfinite']} of {r['embeddings']} embeddings")
+            continue
         far = [r["tar_at_far"][k] for k in sorted(r["tar_at_far"], reverse=True)]
         rows.append(f"{target:<12} {r['accuracy']:>8.4f} ± {r['accuracy_std']:.4f} "
                     f"{r['threshold']:>9.3f} {r['embedding_norm']:>8.2f} "
@@ -82,7 +85,7 @@ def evaluate(cfg, backbone=None, out=None, onnx=None, onnx_input="rgb"):
         out.write(format_table(reports) + "\n")
         os.makedirs(cfg["Global"]["output_dir"], exist_ok=True)
         path = os.path.join(cfg["Global"]["output_dir"], "roc.png")
-        save_roc_png({t: (r["far"], r["tar"]) for t, r in reports.items()}, path)
+        save_roc_png({t: (r["far"], r["tar"]) for t, r in reports.items() if "far" in r}, path)
         out.write(f"ROC curve: {path}\n")
     return reports
 

@@ -292,19 +292,25 @@ class PartialFC(nn.Layer):
             raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")
         return labels
 
-    def loss_value(self, loss):
+    def loss_value(self, loss, finite=None):
         """`float(loss)` of the last forward, read together with the label check in one host
-        read; raises ValueError (the same on every rank) if a label was outside [0, C)."""
+        read; raises ValueError (the same on every rank) if a label was outside [0, C). With
+        `finite`, a 0-d bool tensor (e.g. whether the step's gradients are finite), that is
+        read in the same read and `(loss, finite and the loss is finite)` is returned."""
         bad = self._bad_labels.astype("int64")
         first = paddle.argmax(bad)
-        packed = paddle.stack([loss.reshape([]).astype("float64"), bad.sum().astype("float64"),
-                               first.astype("float64"),
-                               self._global_labels[first].astype("float64")]).numpy()
+        values = [loss.reshape([]).astype("float64"), bad.sum().astype("float64"),
+                  first.astype("float64"), self._global_labels[first].astype("float64")]
+        if finite is not None:
+            values.append(finite.reshape([]).astype("float64"))
+        packed = paddle.stack(values).numpy()
         if packed[1]:
             _raise_bad_label(int(packed[3]), int(packed[2]) // (self._global_labels.shape[0]
                                                                  // self.world_size),
                              int(packed[1]), self.num_classes, "the global batch")
-        return float(packed[0])
+        if finite is None:
+            return float(packed[0])
+        return float(packed[0]), bool(packed[4]) and math.isfinite(packed[0])
 
     def _check_across_ranks(self, labels):
         """Every rank learns every rank's batch size and first bad label, then all raise alike."""

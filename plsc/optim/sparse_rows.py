@@ -26,6 +26,7 @@ import zlib
 
 import paddle
 
+from ..cpu_kernels import all_finite, finite_flag
 from ..numerics import sqrt_exact, to_float32
 from ..quantized import HEAD_DTYPES, INT8_MAPS, Int8Rows, rows_f32, storage_name, take_f32
 from .rounding import round_to, uniform_noise
@@ -62,6 +63,7 @@ class SparseRowOptimizer:
         self._rounded = False  # whether a write was rounded: then `step_count` is state
         self._state = {}
         self._stash = {}
+        self.fused_applied = self.fused_skipped = 0  # slabs of the last fused update
 
     def get_lr(self):
         lr = self.learning_rate
@@ -90,10 +92,20 @@ class SparseRowOptimizer:
         produces is applied at once (with this step's learning rate), so no weight gradient
         array exists. The result is `step`'s bit for bit; call `end_fused_step` after the
         backward. Only for steps that are applied whatever happens later: no gradient
-        accumulation, no float16 loss-scale check that could skip the step."""
+        accumulation, no float16 loss-scale check that could skip the step.
+
+        A slab whose gradient is not all finite is not applied (its rows and their state keep
+        their bits) and is counted in `fused_skipped`; `fused_applied` counts the others. A
+        non-finite loss makes every slab's gradient non-finite, so the head then stays as it
+        was (the trainer skips the step, `end_fused_step(head, applied=False)`)."""
         lr = self.get_lr()
+        self.fused_applied = self.fused_skipped = 0
 
         def update(lo, hi, weight_grad, bias_grad):
+            if not all_finite(weight_grad, bias_grad):
+                self.fused_skipped += 1
+                return
+            self.fused_applied += 1
             for name, param, grad in (("weight", head.weight, weight_grad),
                                       ("bias", head.bias, bias_grad)):
                 if grad is not None:
@@ -101,10 +113,10 @@ class SparseRowOptimizer:
                                 grad_scale)
         return update
 
-    def end_fused_step(self, head):
-        """Close a step: advance the step count (the rounding bits depend on it), release the
-        head's gathered rows."""
-        self.step_count += 1
+    def end_fused_step(self, head, applied=True):
+        """Close a step: advance the step count (the rounding bits depend on it) unless nothing
+        was `applied`, release the head's gathered rows."""
+        self.step_count += 1 if applied else 0
         head.row_update = None  # it holds this step's learning rate
         head.release_sampled_rows()
 
@@ -153,8 +165,7 @@ class SparseRowOptimizer:
         """A 0-d bool tensor: every gradient the next `step` would apply is finite (this
         rank); the stashed parts are checked as they are, without merging them. Nothing is
         read back to the host."""
-        flags = [paddle.isfinite(g).all() for _, _, parts in self._pending(head) for _, g in parts]
-        return paddle.stack(flags).all() if flags else paddle.to_tensor(True)
+        return finite_flag([g for _, _, parts in self._pending(head) for _, g in parts])
 
     def init_state(self, head):
         """Create the state of the head's arrays (zeros, in their storage dtype) where missing,

@@ -39,10 +39,3 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped = int(state["skipped"])
-
-
-def grads_finite(tensors):
-    """A 0-d bool tensor: every tensor is free of inf and NaN (this rank). Nothing is read
-    back to the host."""
-    flags = [paddle.isfinite(t).all() for t in tensors]
-    return paddle.stack(flags).all() if flags else paddle.to_tensor(True)

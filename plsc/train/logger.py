@@ -94,6 +94,10 @@ class TrainLogger:
     def evaluation(self, step, target, report):
         if not self.enabled:
             return
+        if report["accuracy"] is None:
+            self.warning(f"[{target}] step {step}: {report['nonfinite']} of {report['embeddings']} "
+                         "embeddings are not finite; no accuracy")
+            return
         far = ", ".join(f"TAR@FAR={k:g}: {v:.4f}" for k, v in report["tar_at_far"].items())
         self.info(f"[{target}] step {step} accuracy {report['accuracy']:.4f} "
                   f"± {report['accuracy_std']:.4f} threshold {report['threshold']:.3f} "

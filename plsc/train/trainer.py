@@ -1,5 +1,6 @@
 """The training loop: data-parallel backbone, model-parallel head."""
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -8,8 +9,10 @@ import paddle
 from .. import distributed as pd
 from .. import runtime
 from ..config import ConfigError, dump_config
+from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
+from ..quantized import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
 from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
                           load_head_rows_into, local_optimizer_state, portable_optimizer_state,
@@ -17,10 +20,11 @@ from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoi
 from ..checkpoint.layout import is_centre_array, state_array
 from ..data import PeerDataError
 from ..embedding import VerificationEvaluator
-from .amp import LossScaler, grads_finite
+from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
 from .logger import TrainLogger
+from .divergence import Diverged, NonFiniteSteps
 from .preemption import Preempted, RankLost, StopSignals, peer_failure
 
 __all__ = ["Trainer"]
@@ -43,11 +47,14 @@ class _FromBatch:
                 yield batch
 
 
-def sum_gradients(params, group=None):
-    """All-reduce (SUM) the gradients of `params` in a few flat buckets."""
+def sum_gradients(params, group=None, extra=None):
+    """All-reduce (SUM) the gradients of `params` in a few flat buckets. `extra`, a float32
+    tensor of a few values, rides along in the last bucket; returns it summed."""
     grads = [p.grad for p in params if p.grad is not None]
-    if pd.group_rank_size(group)[1] == 1 or not grads:
-        return
+    if pd.group_rank_size(group)[1] == 1:
+        return extra
+    if extra is not None:
+        grads.append(extra)
     bucket, size = [], 0
     for g in grads + [None]:
         if g is not None:
@@ -62,6 +69,7 @@ def sum_gradients(params, group=None):
                     b.copy_(flat[offset:offset + b.size].reshape(b.shape), False)
                     offset += b.size
             bucket, size = [], 0
+    return extra
 
 
 class Trainer:
@@ -116,6 +124,7 @@ class Trainer:
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
         self.head_opt = build_head_optimizer(cfg, self.lr)
         self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
+        self.nonfinite = NonFiniteSteps(g["max_nonfinite_steps"])
         self.ckpt = CheckpointManager(self.output_dir, cfg["Checkpoint"]["keep_last"])
         e = cfg["Eval"]
         self.evaluator = (VerificationEvaluator(e["root"], e["targets"], d["image_size"],
@@ -173,6 +182,10 @@ class Trainer:
     # ----------------------------------------------------------------- steps
     def forward_backward(self, images, labels, loss_factor=1.0):
         """One micro-batch: forward, scaled backward; returns the (unscaled) loss."""
+        return self.head.loss_value(self._forward_backward(images, labels, loss_factor))
+
+    def _forward_backward(self, images, labels, loss_factor):
+        """`forward_backward` with the loss left on the device (not read)."""
         amp = self.cfg["AMP"]
         if images.dtype == paddle.uint8:  # the loader's raw HWC images
             images = self.dataset.transform.normalize(images)
@@ -182,20 +195,33 @@ class Trainer:
             self.head.row_update = self.head_opt.fused_update(self.head)
         loss = self.head(emb, labels)
         (loss * (self.scaler.scale * loss_factor)).backward()  # end_fused_step clears row_update
-        return self.head.loss_value(loss)  # the step's one host read; raises for bad labels
+        return loss
 
-    def optimizer_step(self):
-        """Sum backbone gradients across ranks, check, unscale, clip, update both parts."""
+    def optimizer_step(self, loss=None, losses_finite=True):
+        """Sum backbone gradients across ranks, check, unscale, clip, update both parts;
+        returns whether the update was applied. A step whose loss or gradients are not all
+        finite on some rank is skipped on every rank (the float16 loss scaler then halves its
+        scale). `loss`, the last micro-batch's loss tensor, is read in the same host read as
+        the check and its label errors (`last_loss`); without it the check is read alone.
+        `losses_finite`: whether the losses of earlier micro-batches (read already) were."""
         params = [p for p in self.backbone.parameters() if not p.stop_gradient]
         fused = self.fused_head_update  # then the head's rows were updated in the backward
-        sum_gradients(params)
-        applied = True
-        inv_scale = 1.0 / self.scaler.scale  # the scale these gradients carry
-        if self.scaler.enabled:
-            finite = paddle.logical_and(grads_finite([p.grad for p in params if p.grad is not None]),
-                                        self.head_opt.all_gradients_finite(self.head))
-            flag = pd.all_reduce_(paddle.logical_not(finite).astype("float32").reshape([1]), "max")
-            applied = self.scaler.update(flag.item() == 0.0)  # the one read of the check
+        # The head's gradients differ from rank to rank: whether they are finite here rides
+        # along in the backbone's all-reduce, so every rank takes the same decision.
+        head_ok = (paddle.to_tensor(self.head_opt.fused_skipped == 0) if fused
+                   else self.head_opt.all_gradients_finite(self.head))
+        head_bad = sum_gradients(params, extra=paddle.logical_not(head_ok).astype("float32")
+                                 .reshape([1]))
+        finite = paddle.logical_and(finite_flag([p.grad for p in params if p.grad is not None]),
+                                    head_bad.reshape([]) == 0)
+        if loss is not None:
+            self.last_loss, finite = self.head.loss_value(loss, finite)  # the step's one read
+        else:
+            finite = bool(finite)
+        finite = finite and losses_finite
+        scale = self.scaler.scale  # the scale these gradients carry
+        applied = self.scaler.update(finite) and finite
+        inv_scale = 1.0 / scale
         if applied:
             if inv_scale != 1.0:
                 with paddle.no_grad():
@@ -208,20 +234,28 @@ class Trainer:
             else:
                 self.head_opt.step(self.head, grad_scale=inv_scale)
         else:
+            if fused:  # slabs with finite gradients were applied in the backward
+                self.head_opt.end_fused_step(self.head, applied=self.head_opt.fused_applied > 0)
             self.head_opt.discard(self.head)
         self.backbone_opt.clear_grad(set_to_zero=False)
         self.lr.step()
         self.step += 1
+        # A float16 skip counts towards divergence only at the scaler's floor, where halving
+        # the scale can no longer help.
+        self.nonfinite.record(applied, counts=not self.scaler.enabled
+                              or scale <= self.scaler.min_scale)
         return applied
 
     def train_step(self, micro_batches):
         """One optimizer step over `micro_batches` [(images, labels), ...]; returns the mean loss."""
         losses = []
         for i, (images, labels) in enumerate(micro_batches):
-            losses.append(self.forward_backward(images, labels, 1.0 / len(micro_batches)))
+            loss = self._forward_backward(images, labels, 1.0 / len(micro_batches))
             if i + 1 < len(micro_batches):
+                losses.append(self.head.loss_value(loss))
                 self.head_opt.stash(self.head)
-        self.optimizer_step()
+        self.optimizer_step(loss, losses_finite=all(math.isfinite(v) for v in losses))
+        losses.append(self.last_loss)
         return sum(losses) / len(losses)
 
     # ------------------------------------------------------------------ loop
@@ -304,6 +338,8 @@ class Trainer:
                 loss = self.train_step(micro)
                 self.history.append((self.step, loss))
                 self.log.step(self.step, loss, self.lr.last_lr, self.global_batch, self.epoch)
+                if self.nonfinite.run:
+                    self._nonfinite_step(loss)
                 if self.step % self.log.interval == 0:
                     self._log_step_state()
                 self._after_step()
@@ -337,6 +373,24 @@ class Trainer:
             self.log.close()
             raise lost from None
 
+    def _nonfinite_step(self, loss):
+        """The step just taken was skipped for a non-finite loss or gradient: warn, and stop
+        the run (`Diverged`) past Global.max_nonfinite_steps such steps in a row."""
+        n, limit = self.nonfinite.run, self.nonfinite.limit
+        what = "float16 loss scale at its floor" if self.scaler.enabled else "not finite"
+        self.log.info(f"step {self.step}: loss {loss:.6g}, loss or gradients {what}: update "
+                         f"skipped ({n} in a row, Global.max_nonfinite_steps={limit})")
+        if self.nonfinite.exceeded:
+            self._diverged(f"the loss or gradients were not finite in {n} consecutive steps "
+                           f"(the last at step {self.step}, loss {loss:.6g}); their updates were "
+                           "skipped")
+
+    def _diverged(self, what):
+        err = Diverged(what, find_checkpoint("auto", self.output_dir), self.cfg["Optimizer"]["lr"])
+        self.log.info(str(err))
+        self.log.close()
+        raise err
+
     def _stop(self, signum):
         """A rank was asked to stop: checkpoint this step (unless just done) and raise."""
         path = self.save() if self._saved_step != self.step else self._saved_path
@@ -358,7 +412,8 @@ class Trainer:
         reports = self.evaluator(self.backbone, with_roc=True)  # the ROC is logged as an image
         for target, report in reports.items():
             self.log.evaluation(self.step, target, report)
-            if self.step > 0 and report["accuracy"] > self.best.get(target, -1.0):
+            if (self.step > 0 and report["accuracy"] is not None
+                    and report["accuracy"] > self.best.get(target, -1.0)):
                 self.best[target] = report["accuracy"]
                 self._checked_save(save_best, self.output_dir, target, self.step, report,
                                    self.backbone.state_dict())
@@ -391,6 +446,7 @@ class Trainer:
         pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
         arrays = self._head_arrays()
+        self._check_finite_weights(arrays)
         meta = training_meta(epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
                              num_classes=head.num_classes, embedding_size=head.embedding_size,
                              shard_size=head.partition.shard_size,
@@ -400,12 +456,24 @@ class Trainer:
                              head_opt_step_count=int(self.head_opt.step_count))
         trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
                                                                   self.backbone),
-                         "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict()}
+                         "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict(),
+                         "nonfinite": self.nonfinite.state_dict()}
         self._saved_path = self._checked_save(
             self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
             {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
         self._saved_step = self.step
         return self._saved_path
+
+    def _check_finite_weights(self, head_arrays):
+        """Raise `Diverged` on every rank, before anything is written, when a weight, a
+        buffer or an optimizer state of any rank is not finite (an update overflowed)."""
+        tensors = list(self.backbone.state_dict().values()) + list(head_arrays.values())
+        bad = paddle.to_tensor([0.0 if all_rows_finite(tensors) else 1.0], dtype="float32")
+        if self.world > 1:
+            pd.all_reduce_(bad, "max")
+        if bad.item():
+            self._diverged(f"the weights or optimizer state after step {self.step} are not finite "
+                           "(an update overflowed); checkpoint not written")
 
     def _checked_save(self, save, *args):
         """`save(*args)` on every rank; a failure is logged and raised (`CheckpointSaveError`:
@@ -431,6 +499,7 @@ class Trainer:
         self.lr.last_lr = self.lr.get_lr()  # a function of the step (a converted checkpoint has no rate)
         if "scaler" in trainer_state:  # (a converted checkpoint has none: the scaler starts fresh)
             self.scaler.set_state_dict(trainer_state["scaler"])
+        self.nonfinite.set_state_dict(trainer_state.get("nonfinite", {}))
         self._resume_head(path, meta)
         head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
         margin = head.margin
