@@ -2,7 +2,9 @@
 or, with Data.skip_bad, skips the sample, logs it and finishes. Each run is a subprocess killed
 (SIGKILL) after a time limit, so a regression fails here instead of stalling the suite."""
 import glob
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -148,6 +150,122 @@ def test_loader_turns_any_failure_into_a_data_error(tmp_path, mode, workers):
         assert "KeyError while loading samples 12..15: 'boom'" in out
     else:
         assert "a data loader worker died" in out and "killed by signal 9" in out
+
+
+# A worker killed while it writes a batch larger than the pipe buffer (64 KiB): before, the
+# main process read the rest of the message without a timeout and waited forever. The test
+# hook PLSC_TEST_PAUSE_WRITE_AT=<batch>:<file> makes the worker sending <batch> write half of
+# its message, write its pid to <file> and sleep, so the kill lands mid-message every time.
+PAUSE_HOOK = "PLSC_TEST_PAUSE_WRITE_AT"
+
+_KILL_MID_WRITE = textwrap.dedent("""
+    import faulthandler, json, multiprocessing, os, signal, sys, threading, time
+    import numpy as np
+    from plsc.data import DataError, DataLoader
+    reps, limit, folder, hook = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    BATCH = 8  # 8 x 112 x 112 x 3 bytes = 301 KB a batch
+    images = np.random.default_rng(0).integers(0, 255, (6 * BATCH, 112, 112, 3), dtype=np.uint8)
+
+    class Images:
+        def __len__(self):
+            return len(images)
+        def __getitem__(self, i):
+            return images[i], i
+
+    def kill_when_paused(path, killed):
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        pid = int(open(path).read())
+        parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        killed.update(pid=pid, worker=parent == os.getpid(), at=time.time())
+        os.kill(pid, signal.SIGKILL)
+
+    report = []
+    for rep in range(reps):
+        faulthandler.dump_traceback_later(limit, exit=True)  # a hung repetition ends us here
+        at, path, killed = rep % 5, os.path.join(folder, f"paused{rep}"), {}
+        os.environ[hook] = f"{at}:{path}"
+        threading.Thread(target=kill_when_paused, args=(path, killed), daemon=True).start()
+        labels, same, error = [], True, None
+        try:
+            for x, y in DataLoader.sequential(Images(), BATCH, num_workers=2):
+                same &= bool((x.numpy() == images[len(labels):len(labels) + BATCH]).all())
+                labels += y.numpy().tolist()
+        except DataError as err:
+            error = str(err)
+        seconds = time.time() - killed["at"] if "at" in killed else None
+        faulthandler.cancel_dump_traceback_later()
+        report.append(dict(at=at, labels=labels, same=same, error=error, seconds=seconds,
+                           pid=killed.get("pid"), worker=killed.get("worker"),
+                           left=len(multiprocessing.active_children())))
+    print(json.dumps(report), flush=True)
+""")
+
+
+def test_worker_killed_while_writing_a_batch_is_a_data_error_every_time(tmp_path):
+    """20 loaders in one process, each with a worker SIGKILLed half-way through writing a batch
+    of 301 KB: each ends in a DataError naming that pid within seconds (a hang ends the child
+    after 20 s), after a correct prefix of the batches, with no worker left."""
+    reps = 20
+    code, out, _ = run([sys.executable, "-c", _KILL_MID_WRITE, str(reps), "20", str(tmp_path),
+                        PAUSE_HOOK], str(tmp_path), limit=240)
+    assert code == 0, out[-3000:]
+    report = json.loads([line for line in out.splitlines() if line.startswith("[")][-1])
+    assert len(report) == reps
+    for r in report:
+        assert r["pid"] is not None and r["worker"], r  # the hook paused a child of the loader
+        assert r["error"] is not None and f"pid {r['pid']} killed by signal 9" in r["error"], r
+        assert r["error"].startswith("a data loader worker died"), r
+        assert r["seconds"] < 10, r
+        # the batches before the killed one, in order, unless the death ended the run first
+        assert r["same"] and r["labels"] == list(range(len(r["labels"]))), r
+        assert len(r["labels"]) <= 8 * r["at"], r
+        assert r["left"] == 0, r
+
+
+@pytest.fixture(scope="module")
+def good_folder(tmp_path_factory):
+    """8 identities of 4 decodable images: 32 files."""
+    root = tmp_path_factory.mktemp("good_faces")
+    rng = np.random.default_rng(1)
+    for ident in range(8):
+        os.makedirs(root / f"id{ident}")
+        for k in range(4):
+            cv2.imwrite(str(root / f"id{ident}" / f"{k}.png"),
+                        rng.integers(0, 255, (IMAGE, IMAGE, 3), dtype=np.uint8))
+    return str(root)
+
+
+def test_training_with_a_worker_killed_mid_batch_ends_with_one_line(tmp_path, good_folder):
+    """tools/train.py, two workers, batches of 8 x 3 x 48 x 48 float32 (221 KB): the worker
+    sending batch 2 is SIGKILLed half-way through writing it; the run ends with 65 and one
+    line naming that worker."""
+    cfg = write_config(tmp_path, good_folder, num_workers=2, batch_size=8, image_size=[48, 48])
+    paused, log = tmp_path / "paused", tmp_path / "log.txt"
+    env = dict(os.environ, **{PAUSE_HOOK: f"2:{paused}"})
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, TRAIN, "-c", cfg], cwd=str(tmp_path), env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + LIMIT
+        while not paused.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert paused.exists(), f"no worker paused at batch 2: {log.read_text()[-3000:]}"
+        pid = int(paused.read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        code = proc.wait(timeout=LIMIT)
+        seconds = time.time() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert code == DATA_ERROR, text[-3000:]
+    lines = error_lines(text)
+    assert len(lines) == 1 and f"a data loader worker died (pid {pid} killed by signal 9)" in lines[0], text
+    assert "Traceback" not in text
+    assert seconds < 30, seconds
 
 
 # ------------------------------------------------------------- damaged RecordIO and packs

@@ -4,9 +4,16 @@ plsc's own loader rather than `paddle.io.DataLoader`: there, an exception in the
 the loading thread without closing its queue (num_workers=0: the process then waits forever)
 or kills the queue under a reader that never returns (workers). Here an exception while loading
 is a value like any batch: it reaches the main thread as a `DataError` naming the sample, at
-the batch where it happened, and the workers are shut down. The main thread only ever waits
-in `queue.get` with a timeout, so signals are handled and a worker that dies (killed, out of
-memory) is noticed within a second.
+the batch where it happened, and the workers are shut down.
+
+Each worker sends its batches (pickled, after an 8-byte length) through a pipe of its own whose
+write end only that worker holds, and the main thread reads them without blocking, waiting in
+`multiprocessing.connection.wait` on the pipes and the workers' sentinels at most a second at a
+time. So signals are handled, and a worker that dies (killed, out of memory) is noticed each
+time the main thread asks for a batch (even one already received), also when it died in the
+middle of writing a batch: its pipe ends, the half message is dropped and the death is a
+`DataError`. Tasks (a few indices) go to the workers through one queue: a worker killed while
+taking one may leave it locked for the others, but its death ends the iteration anyway.
 
 Samples a dataset skipped (its `skip_bad` policy: replaced by the next good one) are reported
 per batch to `on_skip` in the main process, whichever worker skipped them.
@@ -14,18 +21,28 @@ per batch to `on_skip` in the main process, whichever worker skipped them.
 import multiprocessing
 import numbers
 import os
+import pickle
 import queue
 import signal
+import struct
+import time
 import traceback
+from multiprocessing.connection import wait
 
 import numpy as np
 import paddle
 
+from ..fileio import atomic_write
 from .errors import DataError
 
 __all__ = ["DataLoader", "collate"]
 
 _POLL_SECONDS = 1.0  # how often a waiting main thread checks that its workers are alive
+_HEADER = struct.Struct("<Q")  # a result message: its payload's length, then the pickled payload
+_READ = 1 << 16  # bytes read from a result pipe at a time (what a Linux pipe holds)
+# Test hook (tests/test_data_faults.py), "<batch number>:<file>": the worker sending that batch
+# writes half of its message, writes its pid to <file> and sleeps until it is killed.
+PAUSE_WRITE_HOOK = "PLSC_TEST_PAUSE_WRITE_AT"
 
 
 def collate(samples):
@@ -72,10 +89,26 @@ def _load(dataset, indices):
         return None, _take_skipped(dataset), (_describe(err, indices), traceback.format_exc())
 
 
-def _worker(dataset, tasks, results, parent):
+def _write(fd, data):
+    """Write all of `data` to the pipe `fd` (os.write may take a part at a time)."""
+    view = memoryview(data)
+    written = 0
+    while written < len(view):
+        written += os.write(fd, view[written:])
+
+
+def _pause_hook():
+    """(batch number, file) of the test hook PAUSE_WRITE_HOOK, or (None, None)."""
+    number, _, path = os.environ.get(PAUSE_WRITE_HOOK, "").partition(":")
+    return (int(number), path) if path else (None, None)
+
+
+def _worker(dataset, tasks, out, parent, readers):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    results.cancel_join_thread()  # told to stop, exit at once even with a batch still unread
+    for fd in readers:  # inherited read ends of the result pipes: only the main process reads
+        os.close(fd)
+    pause_at, pause_file = _pause_hook()
     while True:
         try:
             task = tasks.get(timeout=_POLL_SECONDS)
@@ -86,7 +119,41 @@ def _worker(dataset, tasks, results, parent):
         if task is None:
             return
         number, indices = task
-        results.put((number,) + _load(dataset, indices))
+        payload = pickle.dumps((number,) + _load(dataset, indices), pickle.HIGHEST_PROTOCOL)
+        message = _HEADER.pack(len(payload)) + payload
+        try:
+            if number == pause_at:  # the test hook: half a message, then wait to be killed
+                _write(out, message[:len(message) // 2])
+                atomic_write(pause_file, str(os.getpid()))
+                while os.getppid() == parent:
+                    time.sleep(_POLL_SECONDS)
+                return
+            _write(out, message)
+        except BrokenPipeError:  # the main process stopped reading: it is shutting us down
+            return
+
+
+class _Pipe:
+    """The main process's end of one worker's result pipe: reads what is there, never waits."""
+
+    def __init__(self, fd):
+        self.fd, self.buffer = fd, bytearray()
+
+    def read(self):
+        """The messages completed by what the pipe holds now (it must be readable); EOFError
+        when the worker's end is closed (it died), whatever part of a message was read."""
+        chunk = os.read(self.fd, _READ)
+        if not chunk:
+            raise EOFError
+        self.buffer += chunk
+        messages = []
+        while len(self.buffer) >= _HEADER.size:
+            end = _HEADER.size + _HEADER.unpack_from(self.buffer)[0]
+            if len(self.buffer) < end:
+                break
+            messages.append(pickle.loads(self.buffer[_HEADER.size:end]))
+            del self.buffer[:end]
+        return messages
 
 
 class DataLoader:
@@ -127,12 +194,17 @@ class DataLoader:
 
     def _from_workers(self):
         ctx = multiprocessing.get_context("fork")
-        tasks, results = ctx.Queue(), ctx.Queue()
-        workers = [ctx.Process(target=_worker, args=(self.dataset, tasks, results, os.getpid()), daemon=True)
-                   for _ in range(self.num_workers)]
-        for w in workers:
-            w.start()
+        tasks, pipes, workers = ctx.Queue(), [], []
         try:
+            for _ in range(self.num_workers):
+                read, write = os.pipe()
+                pipes.append(_Pipe(read))
+                workers.append(ctx.Process(target=_worker, daemon=True, args=(
+                    self.dataset, tasks, write, os.getpid(), [p.fd for p in pipes])))
+                try:
+                    workers[-1].start()
+                finally:
+                    os.close(write)  # the worker's alone: its death ends the pipe
             batches = iter(enumerate(self.batch_sampler))
             sent = received = 0
             done = {}
@@ -142,9 +214,9 @@ class DataLoader:
                 if sent >= self.prefetch * self.num_workers:
                     break
             while received < sent:
+                self._receive(pipes, workers, done, 0)  # a death is noticed even with the batch here
                 while received not in done:
-                    number, *result = self._get(results, workers)
-                    done[number] = result
+                    self._receive(pipes, workers, done, _POLL_SECONDS)
                 result = done.pop(received)
                 received += 1
                 nxt = next(batches, None)
@@ -153,33 +225,52 @@ class DataLoader:
                     sent += 1
                 yield self._deliver(*result)
         finally:
-            self._shutdown(workers, tasks, results)
+            self._shutdown(workers, tasks, pipes)
 
     @staticmethod
-    def _get(results, workers):
-        while True:
-            try:
-                return results.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                dead = [w for w in workers if w.exitcode is not None]
-                if dead:
-                    how = ", ".join(f"pid {w.pid} " + (f"killed by signal {-w.exitcode}" if w.exitcode < 0
-                                                       else f"exit status {w.exitcode}") for w in dead)
-                    raise DataError(f"a data loader worker died ({how}); if it ran out of memory, "
-                                    "lower Data.num_workers or Data.batch_size") from None
+    def _receive(pipes, workers, done, timeout):
+        """Wait at most `timeout` seconds for the pipes; put the batches they complete into `done`
+        by number. DataError if a worker died: its sentinel is ready or its pipe ended (or, when
+        nothing was ready, it has an exit status)."""
+        ready = set(wait([p.fd for p in pipes] + [w.sentinel for w in workers], timeout))
+        for pipe, worker in zip(pipes, workers):
+            if worker.sentinel in ready:
+                DataLoader._died(workers, worker)
+            if pipe.fd in ready:
+                try:
+                    for number, *result in pipe.read():
+                        done[number] = result
+                except EOFError:
+                    DataLoader._died(workers, worker)
+            elif not ready and worker.exitcode is not None:
+                DataLoader._died(workers, worker)
 
     @staticmethod
-    def _shutdown(workers, tasks, results):
+    def _died(workers, suspect):
+        """Raise the DataError naming the dead workers (`suspect` among them)."""
+        suspect.join(_POLL_SECONDS)  # its pipe may end a moment before its exit status is known
+        dead = [w for w in workers if w.exitcode is not None] or [suspect]
+        how = ", ".join(f"pid {w.pid} " + ("closed its result pipe" if w.exitcode is None else
+                                           f"killed by signal {-w.exitcode}" if w.exitcode < 0 else
+                                           f"exit status {w.exitcode}") for w in dead)
+        raise DataError(f"a data loader worker died ({how}); if it ran out of memory, "
+                        "lower Data.num_workers or Data.batch_size") from None
+
+    @staticmethod
+    def _shutdown(workers, tasks, pipes):
         for _ in workers:
             tasks.put(None)
+        for pipe in pipes:  # a worker blocked writing a batch gets EPIPE and exits
+            os.close(pipe.fd)
         for w in workers:
+            if w.pid is None:  # never started
+                continue
             w.join(timeout=2)
             if w.is_alive():
                 w.kill()
                 w.join()
-        for q in (tasks, results):
-            q.cancel_join_thread()
-            q.close()
+        tasks.cancel_join_thread()
+        tasks.close()
 
 
 class _WorkerTraceback(Exception):
