@@ -1,6 +1,6 @@
 """The pieces every config-driven tool shares: `-c CONFIG -o Section.key=value`, and
 turning a bad config or a missing file into one line on stderr and exit code 2, bad data into
-one line and exit code 65."""
+one line and exit code 65, an output folder in use or not writable into one line and 73 or 74."""
 import argparse
 import atexit
 import os
@@ -43,13 +43,19 @@ def run_tool(args, task, *extra, expected=()):
     """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code (the task's
     own when it returns an int, e.g. a preempted training's). A DataError (a bad image or
     record, here or on another rank) prints one line and gives 65; a ConfigError, a
-    FileNotFoundError or an exception of the types `expected` prints one line and gives 2."""
+    FileNotFoundError or an exception of the types `expected` prints one line and gives 2. An
+    output folder in use by another job (`FolderInUse`) or that cannot be written
+    (`FolderNotWritable`) prints one line and gives 73 or 74."""
     from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
+    from .checkpoint.lock import FolderInUse, FolderNotWritable
     try:
         code = task(load_config(args.config, args.override), *extra)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         code = DATA_ERROR_EXIT_CODE
+    except (FolderInUse, FolderNotWritable) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        code = err.exit_code
     except (ConfigError, FileNotFoundError, *expected) as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2

@@ -9,8 +9,15 @@ written the same way: under `<name>.tmp` (`temp_folder`), then renamed into plac
 The checksum is CRC-32 (`zlib.crc32`): it streams at several GB/s, far faster than the disk,
 and catches the damage checkpoints meet (cut files, flipped bits, zeroed pages). It is no
 defence against deliberate tampering; nothing here is.
+
+One file is written in place instead: a lock file (`write_in_place`), whose lock belongs to
+the file itself and would be lost by a rename.
+
+Test hook: with the environment variable `PLSC_TEST_READ_ONLY` set to a folder, opening any
+file under it for writing here fails as on a read-only file system (EROFS).
 """
 import contextlib
+import errno
 import os
 import shutil
 import zlib
@@ -18,12 +25,14 @@ from typing import NamedTuple
 
 __all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
            "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "temp_folder",
-           "commit_folder", "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX"]
+           "commit_folder", "write_in_place", "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX",
+           "TEST_READ_ONLY_ENV"]
 
 TEMP_SUFFIX = ".part"
 FOLDER_SUFFIX = ".tmp"  # a folder being written
 OLD_SUFFIX = ".old"  # a folder being replaced
 _CHUNK = 8 << 20  # bytes read at a time when checksumming a file
+TEST_READ_ONLY_ENV = "PLSC_TEST_READ_ONLY"  # test hook: writes under this folder fail (EROFS)
 
 
 class FileRecord(NamedTuple):
@@ -55,6 +64,13 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def _refused_for_tests(path):
+    """The test hook: an EROFS error for `path` when it lies under $PLSC_TEST_READ_ONLY."""
+    folder = os.environ.get(TEST_READ_ONLY_ENV)
+    if folder and os.path.abspath(path).startswith(os.path.join(os.path.abspath(folder), "")):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS) + f" ({TEST_READ_ONLY_ENV})", path)
+
+
 def _named(err, path):
     """Give `err` the file it concerns (a failed write names none)."""
     if isinstance(err, OSError) and err.filename is None:
@@ -70,6 +86,7 @@ class AtomicWriter:
         self.path = os.fspath(path)
         self.tmp = _temp_name(self.path)
         self.size, self._crc = 0, 0
+        _refused_for_tests(self.path)
         try:
             self._file = open(self.tmp, "wb")
         except OSError as err:
@@ -175,6 +192,14 @@ def atomic_path(path):
             os.remove(tmp)
         raise
     commit_file(tmp, path)
+
+
+def write_in_place(fd, data):
+    """Replace the content of the open file `fd` by `data` (str or bytes), without a rename:
+    only for a lock file, whose lock belongs to the file and would not follow a rename."""
+    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
 
 
 def checksum_file(path):

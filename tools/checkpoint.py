@@ -13,7 +13,8 @@ run (train_v2.py with save_all_states; any number of ranks; no torch needed) and
 checkpoint under the config's Global.output_dir/checkpoints: the backbone, all class centres,
 their and the backbone's SGD momentum, the step and epoch. The config must name the same
 backbone (Model.name, e.g. r50) and Loss.num_classes; then `Global.checkpoint: auto` (or the
-printed folder) resumes the run on any number of ranks.
+printed folder) resumes the run on any number of ranks. It locks Global.output_dir while it
+writes: refused (exit status 73) while a training job uses that folder.
 """
 import argparse
 import sys
@@ -39,9 +40,13 @@ def verify(a):
 def import_arcface_torch(cfg, folder):
     from plsc import runtime
     from plsc.checkpoint.arcface_torch import arcface_torch_files, import_arcface_torch
+    from plsc.checkpoint.lock import claim_folder
     runtime.select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
-    path = import_arcface_torch(arcface_torch_files(folder), cfg, runtime.build_backbone(cfg),
-                                log=lambda msg: print(msg, file=sys.stderr))
+    with claim_folder(cfg["Global"]["output_dir"]) as lock:  # it writes checkpoints/ and latest
+        for note in lock.notes:
+            print(f"plsc: {note}", file=sys.stderr)
+        path = import_arcface_torch(arcface_torch_files(folder), cfg, runtime.build_backbone(cfg),
+                                    log=lambda msg: print(msg, file=sys.stderr))
     print(f"wrote {path}; resume it with -o Global.checkpoint={path} (or Global.checkpoint: auto)")
 
 

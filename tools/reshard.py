@@ -7,6 +7,8 @@
 
 Training resumes on any number of ranks without this tool (it re-shards as it
 loads); use it to prepare a checkpoint once, or to move the classifier in and out.
+An --output inside a run's checkpoints/ folder locks that run's folder while it is written:
+refused (exit status 73) while a training job uses it.
 
 Head arrays keep their dtype (meta.json `head_dtypes`): re-sharding copies the stored
 bits (8-bit arrays: each row's codes and scale). --export writes what plain numpy reads: a
@@ -22,6 +24,7 @@ import sys
 
 from plsc.checkpoint import (CheckpointDamaged, convert_checkpoint, export_classifier,
                              import_classifier, read_meta, reshard_checkpoint, verify_checkpoint)
+from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, lock_folder, run_folder_of
 
 
 def main(argv=None):
@@ -44,6 +47,7 @@ def main(argv=None):
     p.add_argument("--verify", choices=("full", "size", "none"), default="full",
                    help="check CKPT against its manifest first (default full: sizes and checksums)")
     a = p.parse_args(argv)
+    lock = None
     try:
         meta = read_meta(a.checkpoint)
         verify_checkpoint(a.checkpoint, a.verify)
@@ -52,9 +56,14 @@ def main(argv=None):
         if a.export:
             export_classifier(a.checkpoint, a.export, a.array)
             print(f"wrote {a.array} of {meta['num_classes']} classes to {a.export}")
-        elif not a.output:
+            return 0
+        if not a.output:
             p.error("--output is required with --world-size, --import and --dtype")
-        elif a.world_size:
+        run = run_folder_of(a.output)  # in a run's checkpoints/: one job at a time in that folder
+        lock = lock_folder(run, "the run folder") if run else None
+        for note in lock.notes if lock else ():
+            print(f"plsc: {note}", file=sys.stderr)
+        if a.world_size:
             reshard_checkpoint(a.checkpoint, a.output, a.world_size)
             print(f"wrote {a.output}: head split for {a.world_size} ranks "
                   f"(was {meta['world_size']})")
@@ -67,9 +76,15 @@ def main(argv=None):
     except CheckpointDamaged as err:
         print(f"error: {err}", file=sys.stderr)
         return 65
+    except (FolderInUse, FolderNotWritable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
     except (FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -7,9 +7,10 @@ On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a check
 written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
 same command resumes from it. When another rank dies, the others exit with status 69 and
 one line naming it. When a checkpoint cannot be written (disk full, I/O error) every rank
-exits with status 74 and one line. When the loss or gradients stay non-finite for more than
-Global.max_nonfinite_steps steps in a row, every rank exits with status 70 and one line naming
-the last finite checkpoint (see docs/faults.md).
+exits with status 74 and one line. An output folder that another job is using stops the job
+before its first step with status 73, one that cannot be written with 74. When the loss or
+gradients stay non-finite for more than Global.max_nonfinite_steps steps in a row, every rank
+exits with status 70 and one line naming the last finite checkpoint (see docs/faults.md).
 """
 import sys
 

@@ -40,7 +40,12 @@ training set and:
      epoch (the next one when the source checkpoint was mid-epoch): the cleaned set is a new
      set, a position in the old one means nothing in it. It is written to a temporary
      folder and renamed. RNG states are not carried over (the resumed run seeds anew).
+
+When `out_dir` lies in the run's folder (`Global.output_dir`, the default), that folder is
+locked for the whole cleaning (`plsc.checkpoint.lock`): it is refused (`FolderInUse`, exit
+status 73) while a training job or another cleaning uses the folder.
 """
+import contextlib
 import copy
 import json
 import os
@@ -53,6 +58,7 @@ from .. import distributed as pd
 from .. import runtime
 from ..checkpoint import (agree_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32,
                           write_k1_checkpoint)
+from ..checkpoint.lock import claim_folder
 from ..config import ConfigError
 from ..data import irheader
 from ..data.facerec import read_property, write_face_rec
@@ -227,8 +233,18 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
         raise ConfigError(bad) from None
     if not 0.0 < threshold < 180.0:  # NaN too
         raise ConfigError(f"the threshold must be an angle in degrees in (0, 180), got {threshold:g}")
-    g = cfg["Global"]
     runtime.start(cfg)
+    run = cfg["Global"]["output_dir"]
+    out_dir = out_dir or os.path.join(run, "cleaned")
+    inside = os.path.commonpath([os.path.abspath(p) for p in (out_dir, run)]) == os.path.abspath(run)
+    with claim_folder(run) if inside else contextlib.nullcontext() as lock:  # one job in the folder
+        for note in getattr(lock, "notes", ()) if pd.get_rank() == 0 else ():
+            print(f"plsc: {note}", file=sys.stderr)
+        return _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone)
+
+
+def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
+    g = cfg["Global"]
     rank, world = pd.get_rank(), pd.get_world_size()
     value = checkpoint or g["checkpoint"] or "latest"
     value = "latest" if value == "auto" else value
@@ -251,7 +267,6 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
     if cfg["Loss"]["num_classes"] != num_classes:
         raise ConfigError(f"checkpoint {path} has {num_classes} classes, Loss.num_classes is "
                           f"{cfg['Loss']['num_classes']}")
-    out_dir = out_dir or os.path.join(g["output_dir"], "cleaned")
     progress = runtime.show_progress(progress, cfg["Logging"]["progress_bar"], rank)
 
     from .tasks import trained_backbone

@@ -99,7 +99,8 @@ def _write_npy(path, arr):
 def _log_visualdl(logdir, result, image, step):
     from visualdl import LogWriter  # imported lazily: it is slow to import
     t = result["target"].lower()
-    with LogWriter(logdir=logdir) as writer:
+    # its own record file (VisualDL names files by the second): a run may be training there
+    with LogWriter(logdir=logdir, filename_suffix=f".ijb.{os.getpid()}") as writer:
         for far, tar in result["tar_at_far"].items():
             writer.add_scalar(tag=f"ijb/{t}/tar_at_far_{far}", value=float(tar), step=step)
         writer.add_scalar(tag=f"ijb/{t}/auc", value=float(result["auc"]), step=step)

@@ -9,7 +9,8 @@ from .head_arrays import (array_dtype, head_array_bytes, head_dtype, load_head_r
 from .layout import read_meta, training_meta
 from .manager import (CheckpointManager, agree_checkpoint, capture_rng, checkpoints_newest_first,
                       find_checkpoint, load_paddle_file, local_optimizer_state,
-                      portable_optimizer_state, remove_leftovers, restore_rng, save_best)
+                      portable_optimizer_state, remove_leftovers, repair_latest, restore_rng,
+                      save_best)
 from .manifest import VERIFY_LEVELS, read_manifest, verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointManager", "CheckpointDamaged", "CheckpointSaveError", "IO_ERROR_EXIT_CODE",
@@ -17,7 +18,7 @@ __all__ = ["CheckpointManager", "CheckpointDamaged", "CheckpointSaveError", "IO_
            "checkpoints_newest_first", "convert_checkpoint", "copy_checkpoint", "export_classifier", "find_checkpoint",
            "head_array_bytes", "head_dtype", "import_classifier", "load_head_rows",
            "load_head_rows_into", "load_paddle_file", "local_optimizer_state",
-           "portable_optimizer_state", "read_manifest", "read_meta", "remove_leftovers",
+           "portable_optimizer_state", "read_manifest", "read_meta", "remove_leftovers", "repair_latest",
            "reshard_checkpoint", "restore_rng", "rows_as_float32", "save_best", "save_rows_npy",
            "training_meta", "verify_checkpoint", "write_k1_checkpoint", "write_manifest",
            "write_rows_npy"]

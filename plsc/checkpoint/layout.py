@@ -11,6 +11,7 @@ spelled.
         manifest.json              size and CRC-32 of every file above (rank 0, written last)
     <output_dir>/checkpoints/latest    the newest step folder's name
     <output_dir>/best_<target>/        backbone.pdparams + best.json of a target's best step
+    <output_dir>/.plsc.lock            the lock of the job using the folder, and who holds it
 
 Head array names: `weight`, `bias`, and `opt.<param>.<state>` for their optimizer state
 (e.g. `opt.weight.velocity`). With K sub-centres the weight and its state are stored
@@ -23,7 +24,7 @@ import re
 from ..fileio import atomic_write
 from .errors import CheckpointDamaged, read_json
 
-__all__ = ["META", "BACKBONE", "TRAINER", "LATEST", "BEST_SUMMARY", "STEP_DIR", "LEFTOVER_DIR",
+__all__ = ["META", "BACKBONE", "TRAINER", "LATEST", "BEST_SUMMARY", "LOCK_FILE", "STEP_DIR", "LEFTOVER_DIR",
            "step_folder", "best_folder", "rng_file", "head_dir", "head_file", "state_array", "is_state_of",
            "is_centre_array", "read_meta", "write_meta", "training_meta", "with_written"]
 
@@ -32,6 +33,7 @@ BACKBONE = "backbone.pdparams"
 TRAINER = "trainer.pdstates"
 LATEST = "latest"
 BEST_SUMMARY = "best.json"
+LOCK_FILE = ".plsc.lock"  # in the output folder (`plsc.checkpoint.lock`)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 LEFTOVER_DIR = re.compile(r"^(step_\d{8}|best_.+)\.(tmp|old)$")
 _STATE_PREFIX = "opt."

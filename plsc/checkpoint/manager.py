@@ -37,7 +37,7 @@ from .layout import (BACKBONE, BEST_SUMMARY, LATEST, LEFTOVER_DIR, META, STEP_DI
 from .manifest import verify_checkpoint, write_manifest
 
 __all__ = ["CheckpointManager", "find_checkpoint", "agree_checkpoint", "checkpoints_newest_first",
-           "remove_leftovers", "capture_rng", "restore_rng", "portable_optimizer_state",
+           "remove_leftovers", "repair_latest", "capture_rng", "restore_rng", "portable_optimizer_state",
            "local_optimizer_state", "save_best", "load_paddle_file"]
 
 
@@ -200,6 +200,36 @@ def remove_leftovers(output_dir):
                 continue
             removed.append(os.path.relpath(full, output_dir))
     return removed
+
+
+def repair_latest(output_dir):
+    """Make `checkpoints/latest` name the newest complete checkpoint: the newest folder whose
+    files all have their manifest's sizes (`verify_checkpoint(..., "size")`, a `stat` per
+    file). A kill between a save's rename and its rewrite of `latest` leaves it naming the
+    previous one. Call it on one rank at start, under the folder's lock (`plsc.checkpoint.lock`);
+    returns a line for the log when `latest` changed, else None."""
+    file = os.path.join(output_dir, "checkpoints", LATEST)
+    try:
+        with open(file, "rb") as f:
+            named = f.read(4096).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        named = None
+    newest = None
+    for path in checkpoints_newest_first(output_dir):
+        try:
+            verify_checkpoint(path, "size")
+        except (CheckpointDamaged, OSError):
+            continue
+        newest = os.path.basename(path)
+        break
+    if named == newest:
+        return None
+    if newest is None:
+        os.remove(file)
+        return f"removed {file}: it named {named!r} and no complete checkpoint is left"
+    atomic_write(file, newest + "\n")
+    was = f"named {named!r}" if named is not None else "was missing"
+    return f"{file} {was}; it now names {newest}, the newest complete checkpoint"
 
 
 def load_paddle_file(file):

@@ -8,7 +8,12 @@ import time
 from ..metrics import roc_image
 from ..runtime import show_progress
 
-__all__ = ["TrainLogger"]
+__all__ = ["TrainLogger", "visualdl_dir"]
+
+
+def visualdl_dir(output_dir):
+    """Where the VisualDL scalars and images of a run in `output_dir` go."""
+    return os.path.join(output_dir, "vdl")
 
 
 class TrainLogger:
@@ -44,7 +49,7 @@ class TrainLogger:
         self.log.propagate = False
         if visualdl:
             from visualdl import LogWriter  # imported lazily: it is slow to import
-            self.writer = LogWriter(logdir=os.path.join(output_dir, "vdl"))
+            self.writer = LogWriter(logdir=visualdl_dir(output_dir))
 
     def info(self, msg):
         if self.enabled:

@@ -1,5 +1,6 @@
 """The training loop: data-parallel backbone, model-parallel head."""
 import contextlib
+import functools
 import math
 import os
 
@@ -16,15 +17,16 @@ from ..quantized import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
 from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
                           load_head_rows_into, local_optimizer_state, portable_optimizer_state,
-                          remove_leftovers, restore_rng, save_best, training_meta)
+                          remove_leftovers, repair_latest, restore_rng, save_best, training_meta)
 from ..checkpoint.layout import is_centre_array, state_array
+from ..checkpoint.lock import claim_folder
 from ..data import PeerDataError
 from ..embedding import VerificationEvaluator
 from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
-from .logger import TrainLogger
 from .divergence import Diverged, NonFiniteSteps
+from .logger import TrainLogger, visualdl_dir
 from .preemption import Preempted, RankLost, StopSignals, peer_failure
 
 __all__ = ["Trainer"]
@@ -72,18 +74,34 @@ def sum_gradients(params, group=None, extra=None):
     return extra
 
 
+def _closed_on_error(init):
+    """An `__init__` that releases what it took (the output folder's lock) when it raises."""
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+    return wrapper
+
+
 class Trainer:
     """Builds everything a config describes and trains it.
 
     `backbone` may be given as a `paddle.nn.Layer` instead of `Model.name`.
+    The output folder is locked from the start (`plsc.checkpoint.lock`) until `train()`
+    returns or raises, `close()`, or the end of the object.
     """
 
+    @_closed_on_error
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
         g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
         self.device = runtime.start(cfg)
         self.rank, self.world = pd.get_rank(), pd.get_world_size()
         self.output_dir = g["output_dir"]
+        self._folder = self._claim()  # before anything touches the folder
         amp = cfg["AMP"]
         if amp["enable"] and not self.device.startswith("gpu"):
             raise ConfigError("AMP.enable is true but training runs on the CPU; AMP needs a GPU")
@@ -145,6 +163,11 @@ class Trainer:
             if removed:
                 self.log.info(f"removed {len(removed)} leftover(s) of an interrupted save under "
                               f"{self.output_dir}: {', '.join(removed)}")
+            for note in self._folder.notes:  # the lock's limits on this file system
+                self.log.warning(note)
+            repaired = repair_latest(self.output_dir)  # a save killed before rewriting `latest`
+            if repaired:
+                self.log.info(repaired)
         if g["checkpoint"]:
             path = agree_checkpoint(g["checkpoint"], self.output_dir,
                                     cfg["Checkpoint"]["verify"], warn=self.log.warning)
@@ -159,6 +182,21 @@ class Trainer:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(dump_config(cfg))
+
+    def _claim(self):
+        """Rank 0 locks the output folder and checks that it and the VisualDL folder can be
+        written; otherwise every rank raises `FolderInUse` (73) or `FolderNotWritable` (74)."""
+        vdl = visualdl_dir(self.output_dir)
+        return claim_folder(self.output_dir, [("the VisualDL log folder", vdl)]
+                            if self.cfg["Logging"]["visualdl"] else [])
+
+    def close(self):
+        """Release the output folder's lock and close the VisualDL writer; idempotent."""
+        folder, self._folder = getattr(self, "_folder", None), None
+        if folder is not None:
+            folder.release()
+        if getattr(self, "log", None) is not None:
+            self.log.close()
 
     @property
     def fused_head_update(self):
@@ -295,7 +333,17 @@ class Trainer:
         return micro, None
 
     def train(self):
-        """Train to `total_steps`, evaluating and checkpointing on the way; returns the history."""
+        """Train to `total_steps`, evaluating and checkpointing on the way; returns the history.
+        The output folder's lock is released (`close`) when this returns or raises (a later
+        call takes it again)."""
+        if self._folder is None:
+            self._folder = self._claim()
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def _train(self):
         cfg = self.cfg
         self.log.info(f"plsc: {self.world} rank(s) on {self.device}, {len(self.dataset)} images, "
                       f"{cfg['Loss']['num_classes']} classes ({self.head.num_local} on rank 0, "
