@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import yaml
 
+from face_folders import write_faces
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(os.path.dirname(HERE), "tools", "train.py")
 DATA_ERROR = 65
@@ -34,18 +36,8 @@ def run(cmd, cwd, limit=LIMIT, **kw):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """8 identities of 4 images (one of them 11 bytes of text named .jpg): 32 files."""
-    root = tmp_path_factory.mktemp("faces")
-    rng = np.random.default_rng(0)
-    for ident in range(8):
-        os.makedirs(root / f"id{ident}")
-        for k in range(4):
-            if (ident, k) == (3, 3):
-                (root / "id3" / "notes.jpg").write_bytes(b"not a face")
-                continue
-            image = rng.integers(0, 255, (IMAGE, IMAGE, 3), dtype=np.uint8)
-            cv2.imwrite(str(root / f"id{ident}" / f"{k}.png"), image)
-    return str(root)
+    """8 identities of 4 images (one of them 10 bytes of text named .jpg): 32 files."""
+    return write_faces(tmp_path_factory.mktemp("faces"), size=IMAGE, undecodable=(3, 3))
 
 
 def write_config(tmp, root, dataset="folder", **data):
@@ -226,14 +218,7 @@ def test_worker_killed_while_writing_a_batch_is_a_data_error_every_time(tmp_path
 @pytest.fixture(scope="module")
 def good_folder(tmp_path_factory):
     """8 identities of 4 decodable images: 32 files."""
-    root = tmp_path_factory.mktemp("good_faces")
-    rng = np.random.default_rng(1)
-    for ident in range(8):
-        os.makedirs(root / f"id{ident}")
-        for k in range(4):
-            cv2.imwrite(str(root / f"id{ident}" / f"{k}.png"),
-                        rng.integers(0, 255, (IMAGE, IMAGE, 3), dtype=np.uint8))
-    return str(root)
+    return write_faces(tmp_path_factory.mktemp("good_faces"), size=IMAGE, seed=1)
 
 
 def test_training_with_a_worker_killed_mid_batch_ends_with_one_line(tmp_path, good_folder):

@@ -17,11 +17,10 @@ import sys
 import threading
 import time
 
-import cv2
-import numpy as np
 import pytest
 import yaml
 
+from face_folders import write_faces
 from plsc.checkpoint import verify_checkpoint
 from plsc.checkpoint import lock as folder_lock
 from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, claim_folder
@@ -95,14 +94,7 @@ def load_tool(name):
 @pytest.fixture(scope="module")
 def faces(tmp_path_factory):
     """8 identities of 4 16x16 images."""
-    root = tmp_path_factory.mktemp("faces")
-    rng = np.random.default_rng(0)
-    for ident in range(8):
-        os.makedirs(root / f"id{ident}")
-        for k in range(4):
-            cv2.imwrite(str(root / f"id{ident}" / f"{k}.png"),
-                        rng.integers(0, 255, (IMAGE, IMAGE, 3), dtype=np.uint8))
-    return str(root)
+    return write_faces(tmp_path_factory.mktemp("faces"), size=IMAGE)
 
 
 def write_config(tmp, faces, out, max_steps=8, interval=100, **data):

@@ -1,5 +1,4 @@
 """Dynamic loss scaling for float16 training, agreed across ranks."""
-import paddle
 
 __all__ = ["LossScaler"]
 
