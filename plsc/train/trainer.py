@@ -1,12 +1,13 @@
 """The training loop: data-parallel backbone, model-parallel head."""
 import contextlib
+import functools
 import os
 
 import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import runtime
+from .. import runtime, startup
 from ..config import ConfigError, dump_config
 from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
@@ -64,12 +65,24 @@ def sum_gradients(params, group=None):
             bucket, size = [], 0
 
 
+def _reports_lost_ranks(init):
+    """`Trainer.__init__` (start-up: process group, checkpoint agreement, every collective
+    before the first step) with a rank that stops answering reported as in training:
+    `RankLost`, one line, exit status 69."""
+    @functools.wraps(init)
+    def start(self, *args, **kwargs):
+        with self._rank_failures(starting=True):
+            init(self, *args, **kwargs)
+    return start
+
+
 class Trainer:
     """Builds everything a config describes and trains it.
 
     `backbone` may be given as a `paddle.nn.Layer` instead of `Model.name`.
     """
 
+    @_reports_lost_ranks
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
         g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
@@ -275,7 +288,8 @@ class Trainer:
         self.backbone.train()
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
-            self.evaluate()
+            with self._rank_failures(starting=True):
+                self.evaluate()
         with StopSignals() as stop, self._rank_failures():
             while self.step < self.total_steps:
                 self._train_epoch(stop)
@@ -324,22 +338,31 @@ class Trainer:
         raise error if error is not None else PeerDataError(self.rank, failed, f"after step {self.step}")
 
     @contextlib.contextmanager
-    def _rank_failures(self):
-        """Turn a collective's error about a dead or silent rank into `RankLost`."""
+    def _rank_failures(self, starting=False):
+        """Turn a collective's error about a dead or silent rank into `RankLost` (`starting`:
+        before the first step, where `__init__` may not have set the rank or the log yet)."""
         try:
             yield
         except RuntimeError as err:
-            found = peer_failure(err, self.rank, self.world)
+            rank = getattr(self, "rank", pd.launched_rank())
+            found = peer_failure(err, rank, getattr(self, "world", pd.launched_world_size()))
             if found is None:
                 raise
-            lost = RankLost(self.rank, self.step, found[0], found[1],
-                            find_checkpoint("auto", self.output_dir))
-            self.log.close()
+            if starting:
+                startup.settle()  # the launcher's SIGTERM to the survivors must not make it 75
+            lost = RankLost(rank, None if starting else self.step, found[0], found[1],
+                            find_checkpoint("auto", self.cfg["Global"]["output_dir"]))
+            if getattr(self, "log", None) is not None:
+                self.log.close()
             raise lost from None
 
     def _stop(self, signum):
-        """A rank was asked to stop: checkpoint this step (unless just done) and raise."""
-        path = self.save() if self._saved_step != self.step else self._saved_path
+        """A rank was asked to stop: checkpoint this step (unless just done, or unless this
+        process took no step: its state is the one it started from) and raise."""
+        if not self.history:
+            path = None
+        else:
+            path = self.save() if self._saved_step != self.step else self._saved_path
         err = Preempted(self.step, signum, path)
         self.log.info(str(err))
         self.log.close()
