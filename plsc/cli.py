@@ -1,12 +1,14 @@
-"""The pieces every config-driven tool shares: `-c CONFIG -o Section.key=value`, and
-turning a bad config or a missing file into one line on stderr and exit code 2, bad data into
-one line and exit code 65, an output folder in use or not writable into one line and 73 or 74."""
+"""The pieces every config-driven tool shares: `-c CONFIG -o Section.key=value`, turning a
+bad config or a missing file into one line on stderr and exit code 2, bad data into one line
+and exit code 65, an output folder in use or not writable into one line and 73 or 74, and a
+SIGTERM or SIGINT before the work is done into one line and exit code 75 (`plsc.startup`)."""
 import argparse
 import atexit
 import os
 import signal
 import sys
 
+from . import startup
 from .config import ConfigError, load_config
 
 __all__ = ["config_parser", "add_onnx_options", "run_tool", "DATA_ERROR_EXIT_CODE"]
@@ -39,15 +41,20 @@ def add_onnx_options(parser, group=None):
     return parser
 
 
-def run_tool(args, task, *extra, expected=()):
+def run_tool(args, task, *extra, expected=(), before=None):
     """Load the config of `args`, call `task(cfg, *extra)`; returns the exit code (the task's
     own when it returns an int, e.g. a preempted training's). A DataError (a bad image or
     record, here or on another rank) prints one line and gives 65; a ConfigError, a
     FileNotFoundError or an exception of the types `expected` prints one line and gives 2. An
     output folder in use by another job (`FolderInUse`) or that cannot be written
-    (`FolderNotWritable`) prints one line and gives 73 or 74."""
+    (`FolderNotWritable`) prints one line and gives 73 or 74. A SIGTERM or SIGINT ends the run
+    with one line (`plsc: preempted before <before>; nothing to save ...`) and 75, until
+    training's own handling takes over (`plsc.startup`)."""
+    startup.hold()  # before Paddle is imported (tools/train.py holds from its first line)
     from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
     from .checkpoint.lock import FolderInUse, FolderNotWritable
+    from .distributed import launched_world_size
+    startup.guard(before, wait_for_group=launched_world_size() > 1)
     try:
         code = task(load_config(args.config, args.override), *extra)
     except DataError as err:
@@ -59,9 +66,14 @@ def run_tool(args, task, *extra, expected=()):
     except (ConfigError, FileNotFoundError, *expected) as err:
         print(f"error: {err}", file=sys.stderr)
         code = 2
+    except BaseException:
+        startup.end()  # a crash: its traceback and status, not a preemption
+        raise
     code = code if type(code) is int else 0
     if code:
+        startup.settle()
         _keep_status_on_sigterm(code)
+    startup.end()
     return code
 
 

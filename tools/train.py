@@ -5,16 +5,21 @@
 
 On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a checkpoint is
 written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
-same command resumes from it. When another rank dies, the others exit with status 69 and
-one line naming it. When a checkpoint cannot be written (disk full, I/O error) every rank
-exits with status 74 and one line. An output folder that another job is using stops the job
-before its first step with status 73, one that cannot be written with 74. When the loss or
-gradients stay non-finite for more than Global.max_nonfinite_steps steps in a row, every rank
-exits with status 70 and one line naming the last finite checkpoint (see docs/faults.md).
+same command resumes from it. Before the first step it exits with 75 at once (nothing to
+save yet). When another rank dies, the others exit with status 69 and one line naming it.
+When a checkpoint cannot be written (disk full, I/O error) every rank exits with status 74
+and one line. An output folder that another job is using stops the job before its first step
+with status 73, one that cannot be written with 74. When the loss or gradients stay
+non-finite for more than Global.max_nonfinite_steps steps in a row, every rank exits with
+status 70 and one line naming the last finite checkpoint (see docs/faults.md).
 """
 import sys
 
-from plsc.cli import config_parser, run_tool
+from plsc import startup
+
+startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
+
+from plsc.cli import config_parser, run_tool  # noqa: E402
 
 
 def train(cfg):
@@ -41,7 +46,7 @@ def train(cfg):
 def main(argv=None):
     parser = config_parser("Train a backbone with a class-sharded margin-softmax head (PartialFC).",
                            "-o Optimizer.lr=0.05")
-    return run_tool(parser.parse_args(argv), train)
+    return run_tool(parser.parse_args(argv), train, before="the first step")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,21 @@ import os
 import paddle
 import paddle.distributed as dist
 
+from .. import startup
+
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
-           "barrier"]
+           "launched_rank", "barrier"]
 
 
 def launched_world_size():
     """World size announced by `paddle.distributed.launch`/`spawn` (1 when not launched)."""
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+
+
+def launched_rank():
+    """This process's rank as announced by the launcher (0 when not launched), known before
+    the process group is formed."""
+    return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
 
 
 def _default_backend():
@@ -23,7 +31,8 @@ def init(backend="auto"):
 
     `backend` is "auto" (NCCL where the current device is a GPU, gloo on CPU),
     "nccl" or "gloo". When the process was not launched with several ranks
-    this is a no-op and the world has size 1.
+    this is a no-op and the world has size 1. A stop signal that `plsc.startup`'s guard kept
+    until the group was formed ends the process once the set-up returns (or fails).
     """
     if backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
@@ -32,7 +41,10 @@ def init(backend="auto"):
     if backend == "auto":
         backend = _default_backend()
     os.environ["PADDLE_DISTRI_BACKEND"] = backend
-    dist.init_parallel_env()
+    try:
+        dist.init_parallel_env()
+    finally:
+        startup.group_ready()
 
 
 def is_initialized():

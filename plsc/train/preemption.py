@@ -13,22 +13,25 @@ A rank that dies breaks the collectives of the others: gloo reports the reset co
 once, a hung rank only at the collective library's timeout. `peer_failure` recognises those
 errors so that the trainer can raise `RankLost`, which `tools/train.py` reports in one line and
 exits with `RANK_LOST_EXIT_CODE`.
+
+Before `StopSignals` starts, `plsc.startup`'s guard answers the signals (exit 75 at once: there
+is nothing to save yet); `StopSignals` takes over from it.
 """
 import os
 import re
 import signal
-import sys
 import threading
 import time
 
 import paddle
 
 from .. import distributed as pd
+from .. import startup
+from ..startup import PREEMPTED_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
            "peer_failure"]
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a re-queued job does
 RANK_LOST_EXIT_CODE = 69  # EX_UNAVAILABLE: a rank this one needs is gone
 
 # What gloo and NCCL say when the other end of a collective is gone or silent.
@@ -39,10 +42,14 @@ _PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|B
 
 
 class Preempted(Exception):
-    """Training stopped at `step` because of signal `signum`; `checkpoint` holds the state."""
+    """Training stopped at `step` because of signal `signum`; `checkpoint` holds the state
+    (None: stopped before this process's first step, nothing to save)."""
 
     def __init__(self, step, signum, checkpoint):
         self.step, self.signum, self.checkpoint = int(step), int(signum), checkpoint
+        if checkpoint is None:
+            super().__init__(startup.preempted_message(self.signum, "the first step"))
+            return
         super().__init__(f"preempted: stopped at step {self.step} by signal {self.signum} "
                          f"({signal.Signals(self.signum).name}); checkpoint {checkpoint}; resume "
                          "with -o Global.checkpoint=latest (or Global.checkpoint: auto, the "
@@ -50,12 +57,15 @@ class Preempted(Exception):
 
 
 class RankLost(Exception):
-    """A collective failed because another rank died or stopped answering."""
+    """A collective failed because another rank died or stopped answering (`step` None:
+    during start-up, before the first step)."""
 
     def __init__(self, rank, step, peer, detail, checkpoint):
-        self.rank, self.step, self.peer, self.checkpoint = rank, int(step), peer, checkpoint
+        self.rank, self.peer, self.checkpoint = rank, peer, checkpoint
+        self.step = None if step is None else int(step)
         who = f"rank {peer}" if peer is not None else "another rank"
-        super().__init__(f"rank {rank}: {who} stopped answering after step {self.step} "
+        when = "during start-up" if step is None else f"after step {self.step}"
+        super().__init__(f"rank {rank}: {who} stopped answering {when} "
                          f"({detail}); exiting. Last complete checkpoint: {checkpoint or 'none'}")
 
 
@@ -81,10 +91,12 @@ class StopSignals:
     every rank. A second signal ends the process at once with status 128 + signal, whatever the
     main thread is doing (even waiting inside a collective): a thread reads the signals from
     Python's wake-up pipe. SIGTERMs within `BURST_SECONDS` of a first SIGTERM count as that one:
-    Paddle's launcher sends up to three, 0.2 s apart, when it is itself terminated."""
+    Paddle's launcher sends up to three, 0.2 s apart, when it is itself terminated. It takes
+    over from `plsc.startup`'s guard (a signal the guard kept is recorded) and at its end puts
+    back what was there before the guard."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    BURST_SECONDS = 1.0
+    SIGNALS = startup.SIGNALS
+    BURST_SECONDS = startup.BURST_SECONDS
 
     def __init__(self):
         self.signum = 0  # the first signal received, 0 for none
@@ -104,6 +116,11 @@ class StopSignals:
             self._previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             threading.Thread(target=self._watch, args=(read,), daemon=True,
                              name="plsc-stop-signals").start()
+            guarded = startup.hand_over()
+            if guarded is not None:
+                self._previous, self._previous_fd, kept = dict(guarded[0]), guarded[1], guarded[2]
+                if kept:
+                    self._record(kept, None)
         return self
 
     def __exit__(self, *exc):
@@ -135,15 +152,11 @@ class StopSignals:
         if self._first_time is None:
             self._first_time, self._first_signum = now, signum
             return
-        if (signum == signal.SIGTERM == self._first_signum
-                and now - self._first_time < self.BURST_SECONDS):
+        if startup.same_request(self._first_signum, signum, now - self._first_time):
             self.repeats += 1
             return
-        name = signal.Signals(signum).name
-        sys.stderr.write(f"plsc: second stop signal ({name}): ending at once (a checkpoint being "
-                         "written is left unfinished and removed at the next start)\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        startup.end_at_once(signum, " (a checkpoint being written is left unfinished and "
+                                    "removed at the next start)")
 
     def agree(self, data_failed=False, group=None):
         """(the signal any rank of `group` received so far or 0, the highest rank whose data

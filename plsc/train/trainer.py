@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import runtime
+from .. import runtime, startup
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler
@@ -86,6 +86,17 @@ def _closed_on_error(init):
     return wrapper
 
 
+def _reports_lost_ranks(init):
+    """`Trainer.__init__` (start-up: process group, checkpoint agreement, every collective
+    before the first step) with a rank that stops answering reported as in training:
+    `RankLost`, one line, exit status 69."""
+    @functools.wraps(init)
+    def start(self, *args, **kwargs):
+        with self._rank_failures(starting=True):
+            init(self, *args, **kwargs)
+    return start
+
+
 class Trainer:
     """Builds everything a config describes and trains it.
 
@@ -94,6 +105,7 @@ class Trainer:
     returns or raises, `close()`, or the end of the object.
     """
 
+    @_reports_lost_ranks
     @_closed_on_error
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
@@ -357,7 +369,8 @@ class Trainer:
         self.backbone.train()
         self.head.train()
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
-            self.evaluate()
+            with self._rank_failures(starting=True):
+                self.evaluate()
         with StopSignals() as stop, self._rank_failures():
             while self.step < self.total_steps:
                 self._train_epoch(stop)
@@ -408,17 +421,22 @@ class Trainer:
         raise error if error is not None else PeerDataError(self.rank, failed, f"after step {self.step}")
 
     @contextlib.contextmanager
-    def _rank_failures(self):
-        """Turn a collective's error about a dead or silent rank into `RankLost`."""
+    def _rank_failures(self, starting=False):
+        """Turn a collective's error about a dead or silent rank into `RankLost` (`starting`:
+        before the first step, where `__init__` may not have set the rank or the log yet)."""
         try:
             yield
         except RuntimeError as err:
-            found = peer_failure(err, self.rank, self.world)
+            rank = getattr(self, "rank", pd.launched_rank())
+            found = peer_failure(err, rank, getattr(self, "world", pd.launched_world_size()))
             if found is None:
                 raise
-            lost = RankLost(self.rank, self.step, found[0], found[1],
-                            find_checkpoint("auto", self.output_dir))
-            self.log.close()
+            if starting:
+                startup.settle()  # the launcher's SIGTERM to the survivors must not make it 75
+            lost = RankLost(rank, None if starting else self.step, found[0], found[1],
+                            find_checkpoint("auto", self.cfg["Global"]["output_dir"]))
+            if getattr(self, "log", None) is not None:
+                self.log.close()
             raise lost from None
 
     def _nonfinite_step(self, loss):
@@ -440,8 +458,12 @@ class Trainer:
         raise err
 
     def _stop(self, signum):
-        """A rank was asked to stop: checkpoint this step (unless just done) and raise."""
-        path = self.save() if self._saved_step != self.step else self._saved_path
+        """A rank was asked to stop: checkpoint this step (unless just done, or unless this
+        process took no step: its state is the one it started from) and raise."""
+        if not self.history:
+            path = None
+        else:
+            path = self.save() if self._saved_step != self.step else self._saved_path
         err = Preempted(self.step, signum, path)
         self.log.info(str(err))
         self.log.close()
