@@ -124,19 +124,36 @@ def test_infinite_gradient_with_a_finite_loss(tmp_path, data_root):
             assert_same_bits(head1, head0)
 
 
-def test_resume_across_a_skipped_step_equals_the_uninterrupted_run(tmp_path, data_root):
-    full = trainer_with(tmp_path, data_root, "a", Poisoned(nan_steps={5}),
-                        Loss={"sample_ratio": 0.5})
+@pytest.mark.parametrize("amp", [False, True])
+def test_resume_across_a_skipped_step_equals_the_uninterrupted_run(tmp_path, data_root, amp):
+    """Step 5's loss is NaN: skipped, the run goes on, and a run resumed from step 3 repeats
+    it bit for bit. `amp`: with the float16 loss scaler on (enabled after construction, as
+    the trainer refuses AMP on the CPU; the resumed run's scaler state comes from the
+    checkpoint), whose skip halves the scale."""
+    def make(name, **global_):
+        trainer = trainer_with(tmp_path, data_root, name, Poisoned(nan_steps={5}),
+                               Global=global_, Loss={"sample_ratio": 0.5})
+        if amp:
+            if "checkpoint" in global_:
+                trainer.scaler.enabled = True  # its scale, steps and skips were resumed
+                trainer.scaler.growth_interval = 2  # (a setting, not state)
+            else:
+                trainer.scaler = LossScaler(True, init_scale=1024.0, growth_interval=2)
+        return trainer
+
+    full = make("a")
     history = full.train()
     assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]
     assert np.isnan(history[4][1]) and all(np.isfinite(v) for i, (_, v) in enumerate(history) if i != 4)
+    if amp:  # grown after steps 2 and 4, halved at 5, grown after 6... (interval 2)
+        assert full.scaler.skipped == 1 and full.scaler.scale == 2048.0
     ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
-    resumed = trainer_with(tmp_path, data_root, "b", Poisoned(nan_steps={5}),
-                           Global={"checkpoint": ckpt}, Loss={"sample_ratio": 0.5})
+    resumed = make("b", checkpoint=ckpt)
     rest = resumed.train()
     np.testing.assert_array_equal([v for _, v in rest], [v for _, v in history[3:]])
     assert_same_bits(backbone_bits(resumed), backbone_bits(full))
     assert_same_bits(head_bits(resumed)[0], head_bits(full)[0])
+    assert resumed.scaler.state_dict() == full.scaler.state_dict()
     # The skip acts: without it the same run ends elsewhere.
     clean = trainer_with(tmp_path, data_root, "c", Poisoned(), Global={"checkpoint": ckpt},
                          Loss={"sample_ratio": 0.5})
