@@ -1,0 +1,156 @@
+"""The score scan behind identification, all-pairs verification and search: the score matrix
+of two embedding sets computed block by block (float32 GEMM into one reused buffer), never
+whole, with the per-block work fused into the same pass (a running top-k per row that looks
+only at the rows whose block maximum beats their k-th best; a collection of the few scores
+above a bound).
+
+The ranks that share a scan talk through a `comm` object: `rank`, `world`, `sum(a)` (element-
+wise over ranks), `max(a)`, `concat(a)` (1-D arrays of any length, in rank order).
+`LocalComm` is the one-process one; `plsc.embedding.RankComm` the launched ranks' one.
+
+Tie rule, everywhere: a score equal to a threshold is not accepted (accepted: score > t);
+in a top-k, among equal scores the lower gallery index comes first.
+"""
+from fractions import Fraction
+import math
+
+import numpy as np
+
+__all__ = ["LocalComm", "prepare_embeddings", "block_size", "blocks", "ScoreBuffer", "TopK",
+           "collect_above",
+           "count_at_rate", "threshold_at_rate"]
+
+DEFAULT_BLOCK_BYTES = 64 << 20  # the score buffer of one block
+
+
+class LocalComm:
+    """One process: every collective returns its input."""
+    rank, world = 0, 1
+
+    def sum(self, a):
+        return np.asarray(a)
+
+    def max(self, a):
+        return np.asarray(a)
+
+    def concat(self, a):
+        return np.asarray(a)
+
+
+def prepare_embeddings(x, name="embeddings", normalize=True):
+    """`x` as a C-contiguous float32 [N, d] array, L2-normalised rows when `normalize` (a zero
+    row stays zero); ValueError naming `name` when it is not [N, d] or not all finite."""
+    x = np.asarray(x)
+    if x.ndim != 2 or not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+        raise ValueError(f"{name}: shape {x.shape} ({x.dtype}), expected [N, d] numbers")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        raise ValueError(f"{name}: row {int(np.argmax(bad))} is not finite ({int(bad.sum())} rows "
+                         "are not)")
+    if normalize:
+        norm = np.linalg.norm(x, axis=1, keepdims=True)
+        x = x / np.where(norm > 0, norm, 1).astype(np.float32)
+    return x
+
+
+def block_size(n_rows, n_cols, block_bytes=DEFAULT_BLOCK_BYTES):
+    """(rows, cols) of a float32 score block within `block_bytes` (columns first, up to 8192)."""
+    cols = max(1, min(n_cols, 8192, block_bytes // 4 // 256))
+    rows = max(1, min(n_rows, block_bytes // 4 // cols))
+    return rows, cols
+
+
+def blocks(n_rows, n_cols, rows, cols, upper=False, comm=None):
+    """The blocks (r0, r1, c0, c1) of this rank: row-major, round robin over ranks. With
+    `upper` (a set against itself) only the blocks that meet the strict upper triangle."""
+    comm = comm or LocalComm()
+    out = [(r0, min(r0 + rows, n_rows), c0, min(c0 + cols, n_cols))
+           for r0 in range(0, n_rows, rows) for c0 in range(0, n_cols, cols)
+           if not upper or min(c0 + cols, n_cols) - 1 > r0]
+    return out[comm.rank::comm.world]
+
+
+class TopK:
+    """The k best scores per query row and their gallery indices, updated block by block.
+
+    `update(r0, c0, s)` merges block `s` (rows r0.., columns c0..); a row is looked at only
+    when its block maximum beats its current k-th best, and then only its scores above that.
+    Blocks must come in ascending column order within each row for the tie rule (equal
+    scores: lower index first). `scores` [n, k] descending (-inf where fewer than k seen),
+    `index` [n, k] (-1 there)."""
+
+    def __init__(self, n, k):
+        self.k = int(k)
+        self.scores = np.full((n, self.k), -np.inf, np.float32)
+        self.index = np.full((n, self.k), -1, np.int64)
+
+    def update(self, r0, c0, s, block_max=None):
+        k = self.k
+        kth = self.scores[r0:r0 + len(s), k - 1]
+        top = s.max(axis=1) if block_max is None else block_max
+        rows = np.flatnonzero(top > kth)
+        if not len(rows):
+            return
+        sub = s[rows]
+        bar = kth[rows][:, None]
+        if sub.shape[1] > 4 * k and len(rows) * k * 8 < np.count_nonzero(sub > bar):
+            # many candidates (the first blocks): only those at least the row's k-th largest
+            part = np.partition(sub, sub.shape[1] - k, axis=1)[:, sub.shape[1] - k][:, None]
+            bar = np.maximum(bar, np.nextafter(part, -np.inf))
+        ri, ci = np.nonzero(sub > bar)
+        g = rows + r0
+        old_r = np.repeat(np.arange(len(rows)), k)
+        cand_r = np.concatenate([old_r, ri])
+        cand_s = np.concatenate([self.scores[g].reshape(-1), sub[ri, ci]])
+        cand_i = np.concatenate([self.index[g].reshape(-1), ci.astype(np.int64) + c0])
+        # order: row, score descending, index ascending (-1 padding last among -inf)
+        order = np.lexsort((np.where(cand_i < 0, np.iinfo(np.int64).max, cand_i), -cand_s, cand_r))
+        cand_r = cand_r[order]
+        starts = np.searchsorted(cand_r, np.arange(len(rows)))
+        keep = (np.arange(len(order)) - starts[cand_r]) < k
+        self.scores[g] = cand_s[order][keep].reshape(len(rows), k)
+        self.index[g] = cand_i[order][keep].reshape(len(rows), k)
+
+
+class ScoreBuffer:
+    """One reused float32 buffer of `size` scores for the blocks of a scan."""
+
+    def __init__(self, size):
+        self.flat = np.empty(int(size), np.float32)
+
+    def scores(self, a, b):
+        """a @ b.T as a C-contiguous view of the buffer (no allocation)."""
+        out = self.flat[:len(a) * len(b)].reshape(len(a), len(b))
+        return np.matmul(a, b.T, out=out)
+
+
+def collect_above(s, bound, r0=0, c0=0, upper=False):
+    """(rows, cols, scores) of the entries of the C-contiguous block `s` (global offsets r0,
+    c0) above `bound`; with `upper`, only those with col > row."""
+    flat = np.flatnonzero(s.reshape(-1) > bound)
+    vals = s.reshape(-1)[flat]
+    ri, ci = np.divmod(flat, s.shape[1])
+    ri, ci = ri + r0, ci + c0
+    if upper:
+        keep = ci > ri
+        ri, ci, vals = ri[keep], ci[keep], vals[keep]
+    return ri, ci, vals
+
+
+def count_at_rate(rate, n):
+    """⌊rate · n⌋ computed exactly from the decimal `rate` (0.29 · 100 is 29, not 28)."""
+    return int(math.floor(Fraction(repr(float(rate))) * int(n)))
+
+
+def threshold_at_rate(top_values, n, rate):
+    """The lowest threshold t (accept: score > t) at which at most ⌊rate·n⌋ of `n` impostor
+    scores are accepted, given `top_values` (at least the ⌊rate·n⌋+1 largest of them, any
+    order): the (⌊rate·n⌋+1)-th largest score, or -inf when ⌊rate·n⌋ ≥ n (all accepted)."""
+    m = count_at_rate(rate, n)
+    if m >= n:
+        return -np.inf
+    v = np.asarray(top_values)
+    if len(v) <= m:
+        raise ValueError(f"{len(v)} values given, the {m + 1}-th largest is needed")
+    return float(np.partition(v, len(v) - 1 - m)[len(v) - 1 - m])
