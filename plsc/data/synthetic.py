@@ -19,7 +19,8 @@ from .align import reference_points
 from .facerec import write_face_rec
 from .verification import write_verification_bin
 
-__all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb"]
+__all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb",
+           "write_ijb_1n_lists"]
 
 
 def make_template(rng, size, num_parts=6):
@@ -170,3 +171,28 @@ def generate_ijb(root, target="ijbc", num_identities=6, templates_per_identity=3
             "landmarks": landmarks, "det_scores": np.asarray(det_scores),
             "identities": np.array([r[3] for r in rows]),
             "pairs": np.array([p[:2] for p in pairs]), "labels": np.array([p[2] for p in pairs])}
+
+
+def write_ijb_1n_lists(root, target, ref):
+    """The 1:N lists (plsc.data.ijb_1n) of a layout written by `generate_ijb` (`ref` its return):
+    each identity's lowest template id is its gallery template, in gallery 1 (G1 / S1) for even
+    identities and gallery 2 for odd ones; its other templates are probes. Subject ids are
+    identity + 1001. Returns {name: (template ids, subject ids)} as written."""
+    from ..fileio import atomic_write
+    from .ijb_1n import ijb_1n_paths
+    paths = ijb_1n_paths(root, target)
+    g1, g2 = [k for k in paths if k != "probe"]
+    subject_of = {int(t): int(i) + 1001 for t, i in zip(ref["templates"], ref["identities"])}
+    first = {}
+    for t in sorted(subject_of):
+        first.setdefault(subject_of[t], t)
+    role = {t: ((g1 if (s - 1001) % 2 == 0 else g2) if first[s] == t else "probe")
+            for t, s in subject_of.items()}
+    out = {}
+    for name, path in paths.items():
+        rows = [f"{t},{subject_of[int(t)]},{n}\n" for t, n in zip(ref["templates"], ref["names"])
+                if role[int(t)] == name]
+        atomic_write(path, "TEMPLATE_ID,SUBJECT_ID,FILENAME\n" + "".join(rows))
+        tids = sorted(t for t in subject_of if role[t] == name)
+        out[name] = (np.array(tids, np.int64), np.array([subject_of[t] for t in tids], np.int64))
+    return out
