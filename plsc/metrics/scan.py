@@ -74,8 +74,8 @@ def blocks(n_rows, n_cols, rows, cols, upper=False, comm=None):
 class TopK:
     """The k best scores per query row and their gallery indices, updated block by block.
 
-    `update(r0, c0, s)` merges block `s` (rows r0.., columns c0..); a row is looked at only
-    when its block maximum beats its current k-th best, and then only its scores above that.
+    `update(r0, c0, s)` merges block `s` (rows r0.., columns c0..) in one compare over the
+    block: only the scores above their row's current k-th best are merged.
     Blocks must come in ascending column order within each row for the tie rule (equal
     scores: lower index first). `scores` [n, k] descending (-inf where fewer than k seen),
     `index` [n, k] (-1 there)."""
@@ -85,24 +85,26 @@ class TopK:
         self.scores = np.full((n, self.k), -np.inf, np.float32)
         self.index = np.full((n, self.k), -1, np.int64)
 
-    def update(self, r0, c0, s, block_max=None):
+    def update(self, r0, c0, s):
         k = self.k
-        kth = self.scores[r0:r0 + len(s), k - 1]
-        top = s.max(axis=1) if block_max is None else block_max
-        rows = np.flatnonzero(top > kth)
-        if not len(rows):
+        s = np.ascontiguousarray(s)
+        n, w = s.shape
+        kth = self.scores[r0:r0 + n, k - 1][:, None]
+        m = s > kth  # one compare over the block: what can enter a row's top-k
+        count = np.count_nonzero(m)
+        if count == 0:
             return
-        sub = s[rows]
-        bar = kth[rows][:, None]
-        if sub.shape[1] > 4 * k and len(rows) * k * 8 < np.count_nonzero(sub > bar):
+        if w > 4 * k and count > 8 * k * n:
             # many candidates (the first blocks): only those at least the row's k-th largest
-            part = np.partition(sub, sub.shape[1] - k, axis=1)[:, sub.shape[1] - k][:, None]
-            bar = np.maximum(bar, np.nextafter(part, -np.inf))
-        ri, ci = np.nonzero(sub > bar)
+            m &= s >= np.partition(s, w - k, axis=1)[:, w - k][:, None]
+        flat = np.flatnonzero(m.reshape(-1))
+        ri, ci = np.divmod(flat, w)
+        first = np.r_[True, ri[1:] != ri[:-1]]
+        rows = ri[first]                       # ascending: flat is
+        pos = np.cumsum(first) - 1             # each candidate's place in `rows`
         g = rows + r0
-        old_r = np.repeat(np.arange(len(rows)), k)
-        cand_r = np.concatenate([old_r, ri])
-        cand_s = np.concatenate([self.scores[g].reshape(-1), sub[ri, ci]])
+        cand_r = np.concatenate([np.repeat(np.arange(len(rows)), k), pos])
+        cand_s = np.concatenate([self.scores[g].reshape(-1), s.reshape(-1)[flat]])
         cand_i = np.concatenate([self.index[g].reshape(-1), ci.astype(np.int64) + c0])
         # order: row, score descending, index ascending (-1 padding last among -inf)
         order = np.lexsort((np.where(cand_i < 0, np.iinfo(np.int64).max, cand_i), -cand_s, cand_r))
