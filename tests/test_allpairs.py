@@ -151,12 +151,15 @@ def test_threshold_at_rate_counts_exactly():
     assert threshold_at_rate(v, 100, 0.0) == 99.0 and threshold_at_rate(v, 100, 1.0) == -np.inf
 
 
-@pytest.mark.parametrize("k,cols", [(1, 7), (5, 16), (20, 64)])
-def test_topk_of_blocks_matches_a_stable_sort(k, cols):
-    rng = np.random.default_rng(k)
-    s = rng.integers(-6, 7, (37, 301)).astype(np.float32)  # many ties
+@pytest.mark.parametrize("k,cols,width,spread", [(1, 7, 301, 6), (5, 16, 301, 6), (20, 64, 301, 6),
+                                                 (10, 1024, 3001, 6), (10, 700, 3001, 1000),
+                                                 (10, 4096, 3001, 1000), (128, 2048, 5000, 50)])
+def test_topk_of_blocks_matches_a_stable_sort(k, cols, width, spread):
+    """Narrow blocks (compare only) and wide ones (the column-group bound), many ties or few."""
+    rng = np.random.default_rng(k + cols)
+    s = rng.integers(-spread, spread + 1, (37, width)).astype(np.float32)
     top = TopK(len(s), k)
-    for r0, r1, c0, c1 in blocks(37, 301, 11, cols):
+    for r0, r1, c0, c1 in blocks(37, width, 11, cols):
         top.update(r0, c0, s[r0:r1, c0:c1])
     order = np.argsort(-s, axis=1, kind="stable")[:, :k]  # equal scores: lower index first
     np.testing.assert_array_equal(top.index, order)

@@ -21,6 +21,7 @@ __all__ = ["LocalComm", "prepare_embeddings", "block_size", "blocks", "ScoreBuff
            "count_at_rate", "threshold_at_rate"]
 
 DEFAULT_BLOCK_BYTES = 64 << 20  # the score buffer of one block
+_GROUPS = 256  # column groups of TopK's per-row bound
 
 
 class LocalComm:
@@ -74,8 +75,10 @@ def blocks(n_rows, n_cols, rows, cols, upper=False, comm=None):
 class TopK:
     """The k best scores per query row and their gallery indices, updated block by block.
 
-    `update(r0, c0, s)` merges block `s` (rows r0.., columns c0..) in one compare over the
-    block: only the scores above their row's current k-th best are merged.
+    `update(r0, c0, s)` merges block `s` (rows r0.., columns c0..): one compare keeps the scores
+    above each row's current k-th best, and only those are merged. In a row's first block,
+    where there is none yet, one pass takes the maxima of 256 column groups per row, whose
+    k-th largest bounds the row's k-th best from below (about k candidates per row).
     Blocks must come in ascending column order within each row for the tie rule (equal
     scores: lower index first). `scores` [n, k] descending (-inf where fewer than k seen),
     `index` [n, k] (-1 there)."""
@@ -87,17 +90,24 @@ class TopK:
 
     def update(self, r0, c0, s):
         k = self.k
-        s = np.ascontiguousarray(s)
+        s = np.ascontiguousarray(s, dtype=np.float32)
         n, w = s.shape
-        kth = self.scores[r0:r0 + n, k - 1][:, None]
-        m = s > kth  # one compare over the block: what can enter a row's top-k
-        count = np.count_nonzero(m)
-        if count == 0:
-            return
-        if w > 4 * k and count > 8 * k * n:
-            # many candidates (the first blocks): only those at least the row's k-th largest
-            m &= s >= np.partition(s, w - k, axis=1)[:, w - k][:, None]
+        kth = self.scores[r0:r0 + n, k - 1]
+        bar = np.nextafter(kth, np.float32(np.inf))  # s > kth exactly when s >= bar
+        if w >= 2 * _GROUPS and k <= _GROUPS // 2 and np.isneginf(kth).any():
+            # a row's first block: the k-th largest of _GROUPS column-group maxima is a lower
+            # bound of its k-th largest score (later blocks compare with the running k-th best)
+            w0 = w - w % _GROUPS
+            gm = s[:, :w0].reshape(n, w0 // _GROUPS, _GROUPS).max(axis=1)
+            bar = np.maximum(bar, np.partition(gm, _GROUPS - k, axis=1)[:, _GROUPS - k])
+            m = s >= bar[:, None]
+        else:
+            m = s >= bar[:, None]
+            if w > 4 * k and np.count_nonzero(m) > 8 * k * n:  # many candidates: the first blocks
+                m &= s >= np.partition(s, w - k, axis=1)[:, w - k][:, None]
         flat = np.flatnonzero(m.reshape(-1))
+        if not len(flat):
+            return
         ri, ci = np.divmod(flat, w)
         first = np.r_[True, ri[1:] != ri[:-1]]
         rows = ri[first]                       # ascending: flat is
