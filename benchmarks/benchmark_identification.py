@@ -10,9 +10,11 @@ The first: the all-pairs scan (plsc.metrics.allpairs, N random clustered unit em
 between two runs of the plain float32 GEMMs of the same blocks (numpy matmul into a reused
 buffer, nothing else); GFLOP/s count the GEMM flops of those blocks (2·d per score; the
 all-pairs scan computes whole diagonal blocks, and its pilot sample is extra time). `ratio`:
-the scan's rate over the mean of the two plain rates around it, the best of `--repeats`. The second: the MegaFace protocol (plsc.metrics.megaface) from random 512-d
-embeddings, wall time. The third writes a FaceScrub/MegaFace-like folder pair
-(plsc.data.synthetic.generate_megaface) and a distractor .npy with a non-finite row for tests.
+the scan's rate over the mean of the two plain rates around it, the best of `--repeats`.
+The second: the MegaFace protocol (plsc.metrics.megaface) from random 512-d unit embeddings
+(probes: 10 noisy images of each identity), wall time of the scan. The third writes a
+FaceScrub/MegaFace-like folder pair (plsc.data.synthetic.generate_megaface) and a distractor
+.npy with a non-finite row for tests.
 """
 import argparse
 import json
@@ -90,13 +92,14 @@ def megaface(num_probes, num_distractors, dim, per_identity=10):
     rng = np.random.default_rng(1)
     labels = np.repeat(np.arange(num_probes // per_identity + 1), per_identity)[:num_probes]
     centres = rng.standard_normal((labels.max() + 1, dim), dtype=np.float32)
-    p = centres[labels] + 1.2 * rng.standard_normal((num_probes, dim), dtype=np.float32)
+    p = centres[labels] + 2.0 * rng.standard_normal((num_probes, dim), dtype=np.float32)
     d = np.empty((num_distractors, dim), np.float32)
     for lo in range(0, num_distractors, 1 << 16):
         d[lo:lo + (1 << 16)] = rng.standard_normal((min(1 << 16, num_distractors - lo), dim), dtype=np.float32)
     d /= np.linalg.norm(d, axis=1, keepdims=True)
+    p /= np.linalg.norm(p, axis=1, keepdims=True)
     t0 = time.perf_counter()
-    r = megaface_report(p, labels, d, normalize=True)
+    r = megaface_report(p, labels, d, normalize=False)
     seconds = time.perf_counter() - t0
     return {"probes": num_probes, "distractors": num_distractors, "dim": dim, "seconds": round(seconds, 1),
             "gflops": round(2.0 * num_probes * num_distractors * dim / seconds / 1e9, 1),

@@ -44,6 +44,7 @@ def prepare_embeddings(x, name="embeddings", normalize=True):
     x = np.asarray(x)
     if x.ndim != 2 or not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise ValueError(f"{name}: shape {x.shape} ({x.dtype}), expected [N, d] numbers")
+    converted = x.dtype != np.float32 or not x.flags.c_contiguous
     x = np.ascontiguousarray(x, dtype=np.float32)
     bad = ~np.isfinite(x).all(axis=1)
     if bad.any():
@@ -51,7 +52,11 @@ def prepare_embeddings(x, name="embeddings", normalize=True):
                          "are not)")
     if normalize:
         norm = np.linalg.norm(x, axis=1, keepdims=True)
-        x = x / np.where(norm > 0, norm, 1).astype(np.float32)
+        norm = np.where(norm > 0, norm, 1).astype(np.float32)
+        if converted:  # a copy already: normalise it in place
+            x /= norm
+        else:
+            x = x / norm
     return x
 
 
