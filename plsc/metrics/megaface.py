@@ -82,6 +82,7 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
     rows = max(1, min(n_p, block_bytes // 4 // cols))
     work = [(r0, min(n_p, r0 + rows), j) for j in range(len(segments)) for r0 in range(0, n_p, rows)]
     seg_max = np.full((len(segments), n_p), -np.inf, np.float32)
+    below = counts[-2] if len(counts) > 1 else 0  # segments past it: all distractors, top-1 of TopK
     top = TopK(n_p, max_rank)
     buf = ScoreBuffer(rows * cols)
     while True:
@@ -89,9 +90,21 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
         for r0, r1, j in work[comm.rank::comm.world]:
             c0, c1 = segments[j]
             s = buf.scores(p[r0:r1], d[c0:c1])
-            seg_max[j, r0:r1] = s.max(axis=1)
-            top.update(r0, c0, s)
-            kept.append(collect_above(s, bound)[2])
+            if c1 <= below:
+                seg_max[j, r0:r1] = s.max(axis=1)
+            kth = top.kth(r0, r1)
+            if np.isneginf(kth).any():  # a first block: TopK bounds it itself
+                top.update(r0, c0, s)
+                kept.append(collect_above(s, bound)[2])
+                continue
+            # one compare for both: above the row's k-th best (TopK) or above the bound (ROC)
+            bar = np.nextafter(np.minimum(kth, np.float32(bound)), np.float32(np.inf))
+            flat = np.flatnonzero((s >= bar[:, None]).reshape(-1))
+            vals = s.reshape(-1)[flat]
+            ri, ci = np.divmod(flat, c1 - c0)
+            better = vals > kth[ri]
+            top.merge(r0, c0, ri[better], ci[better], vals[better])
+            kept.append(vals[vals > bound])
         kept = np.concatenate(kept) if kept else np.zeros(0, np.float32)
         if int(comm.sum(np.array([len(kept)]))[0]) >= min(need, impostors) or bound == -np.inf:
             break
@@ -108,7 +121,7 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
     out = {"searches": int(len(gen_s)), "genuine_pairs": int(len(gen_pairs)),
            "impostor_pairs": int(impostors), "counts": {}, "cmc": {}, "tar_at_far": {}}
     for c in counts:
-        best = prefix[int(np.flatnonzero(ends == c)[0])]
+        best = top_r[:, 0] if c == n_d else prefix[int(np.flatnonzero(ends == c)[0])]
         out["counts"][c] = float(np.mean(gen_s > best[gen_row]))
     ahead = (top_r[gen_row] >= gen_s[:, None]).sum(axis=1)
     for r in range(1, max_rank + 1):

@@ -111,23 +111,43 @@ class TopK:
             if w > 4 * k and np.count_nonzero(m) > 8 * k * n:  # many candidates: the first blocks
                 m &= s >= np.partition(s, w - k, axis=1)[:, w - k][:, None]
         flat = np.flatnonzero(m.reshape(-1))
-        if not len(flat):
-            return
         ri, ci = np.divmod(flat, w)
+        self.merge(r0, c0, ri, ci, s.reshape(-1)[flat])
+
+    def kth(self, r0, r1):
+        """The current k-th best score of rows r0 … r1-1 (-inf while fewer than k are known)."""
+        return self.scores[r0:r1, self.k - 1]
+
+    def merge(self, r0, c0, ri, ci, vals):
+        """Merge candidate scores `vals` at block rows `ri` (ascending; columns `ci` ascending within
+        a row; global offsets r0, c0), found above the rows' k-th best by the caller's compare."""
+        if not len(ri):
+            return
+        k = self.k
         first = np.r_[True, ri[1:] != ri[:-1]]
-        rows = ri[first]                       # ascending: flat is
+        rows = ri[first]                       # ascending: ri is
         pos = np.cumsum(first) - 1             # each candidate's place in `rows`
         g = rows + r0
         cand_r = np.concatenate([np.repeat(np.arange(len(rows)), k), pos])
-        cand_s = np.concatenate([self.scores[g].reshape(-1), s.reshape(-1)[flat]])
-        cand_i = np.concatenate([self.index[g].reshape(-1), ci.astype(np.int64) + c0])
-        # order: row, score descending, index ascending (-1 padding last among -inf)
-        order = np.lexsort((np.where(cand_i < 0, np.iinfo(np.int64).max, cand_i), -cand_s, cand_r))
+        cand_s = np.concatenate([self.scores[g].reshape(-1), vals.astype(np.float32, copy=False)])
+        cand_i = np.concatenate([self.index[g].reshape(-1), np.asarray(ci, np.int64) + c0])
+        # order: row, score descending, in one stable sort of a 64-bit key (row, then the score's
+        # bits flipped into descending order); among equal scores it keeps the kept entries (in
+        # their order) before the candidates (in column order): index ascending
+        order = np.argsort((cand_r.astype(np.uint64) << np.uint64(32)) | _descending_bits(cand_s),
+                           kind="stable")
         cand_r = cand_r[order]
         starts = np.searchsorted(cand_r, np.arange(len(rows)))
         keep = (np.arange(len(order)) - starts[cand_r]) < k
         self.scores[g] = cand_s[order][keep].reshape(len(rows), k)
         self.index[g] = cand_i[order][keep].reshape(len(rows), k)
+
+
+def _descending_bits(v):
+    """uint64 keys of float32 `v` whose ascending order is v's descending order (-0.0 as 0.0)."""
+    u = (np.asarray(v, np.float32) + np.float32(0.0)).view(np.uint32)
+    flip = np.where(u >> np.uint32(31), np.uint32(0xFFFFFFFF), np.uint32(0x80000000))
+    return (~(u ^ flip)).astype(np.uint64)
 
 
 class ScoreBuffer:
