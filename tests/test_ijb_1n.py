@@ -196,6 +196,13 @@ def test_tool_1n_bad_lists_fail_in_one_line(layout, tmp_path, capsys):
     shutil.copytree(layout["root"], root, ignore=shutil.ignore_patterns("loose_crop"))
     args = ["-c", CONFIG, "--root", root, "--target", "IJBC", "--protocol", "1n", "--features",
             layout["feats"], "-o", f"Global.output_dir={tmp_path / 'out'}"]
+    bad = np.load(layout["feats"])
+    bad[4, 2] = np.nan
+    np.save(tmp_path / "bad.npy", bad)
+    assert _tool(args[:-3] + [str(tmp_path / "bad.npy")] + args[-2:]) == 65
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'bad.npy'}: row 4 ({layout['ref']['names'][4]}) is not finite "
+                   "(1 rows are not)"]
     g1 = os.path.join(root, "meta", "ijbc_1N_gallery_G1.csv")
     with open(g1, "a") as f:
         f.write("999999,5,x.jpg\n")

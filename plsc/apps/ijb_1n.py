@@ -98,6 +98,11 @@ def evaluate_ijb_1n(cfg, root, target, features=None, save_features=None, detect
     meta = read_ijb_meta(root, target)
     lists = read_ijb_1n_lists(root, target, meta.templates)
     feats = ijb_features(cfg, meta, features, save_features, backbone, progress, onnx, onnx_input)
+    bad = ~np.isfinite(feats).all(axis=1)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise DataError(f"{features or 'the extracted features'}: row {i} ({meta.names[i]}) is not finite "
+                        f"({int(bad.sum())} rows are not)")
     ids, tfeats = template_features(feats, meta.templates, meta.medias,
                                     meta.det_scores if detector_score else None, normalize_images)
     try:
