@@ -83,16 +83,21 @@ def test_megaface_bad_inputs():
         megaface_report(P, labels, bad)
 
 
-def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(tmp_path):
-    """Images through the demo backbone (noise lists dropping a probe and two distractors), then
-    the same figures from the saved embeddings; bad files: one line, 65 / 2."""
-    layout = tmp_path / "layout"
-    proc = subprocess.run([sys.executable, BENCH, "--make-megaface", str(layout), "--identities", "6",
+@pytest.fixture(scope="module")
+def folder_pair(tmp_path_factory):
+    """The synthetic FaceScrub/MegaFace-like pair and freshly initialised demo weights."""
+    base = tmp_path_factory.mktemp("megaface")
+    proc = subprocess.run([sys.executable, BENCH, "--make-megaface", str(base / "layout"), "--identities", "6",
                            "--distractors", "40"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    made = json.loads(proc.stdout)
-    out = tmp_path / "out"
-    weights = tmp_path / "w.pdparams"
+    return {"made": json.loads(proc.stdout), "base": base, "weights": base / "w.pdparams"}
+
+
+def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(folder_pair, tmp_path):
+    """Images through the demo backbone (noise lists dropping a probe and two distractors), then
+    the same figures from the saved embeddings; bad files: one line, 65 / 2."""
+    made, weights = folder_pair["made"], folder_pair["weights"]
+    out = folder_pair["base"] / "out"
     code = ("import importlib.util, sys, paddle\n"
             "from plsc.config import load_config\n"
             "from plsc.runtime import build_backbone\n"
@@ -113,8 +118,9 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 2 and "row 2 is not finite" in errors[0] and "nowhere" in errors[1], errors
     first = json.load(open(out / "megaface_result.json"))
-    second = json.load(open(tmp_path / "out-2" / "megaface_result.json"))
+    second = json.load(open(str(out) + "-2/megaface_result.json"))
     assert first["num_probes"] == made["num_probes"] - 1 and first["num_distractors"] == 38
+    assert first["dropped_as_noise"] == {"probes": 1, "distractors": 2}
     for key in ("counts", "cmc", "tar_at_far", "searches"):
         assert first[key] == second[key]
     P = np.load(tmp_path / "emb_probes.npy")
@@ -125,5 +131,27 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(tmp_path):
     rank1, cmc, _ = brute(Pn.astype(np.float64), labels, Dn.astype(np.float64), (10, 38), (1, 5), ())
     assert first["counts"]["10"] == pytest.approx(rank1[10], abs=0.02)  # float32 vs float64 near-ties
     assert first["counts"]["38"] == pytest.approx(rank1[38], abs=0.02)
-    for name in ("megaface_cmc.png", "megaface_roc.png"):
+    for name in ("megaface_cmc.png", "megaface_rank1.png", "megaface_roc.png"):
         assert os.path.getsize(out / name) > 1000
+    folder_pair["single"] = first
+
+
+def test_two_launched_ranks_give_the_one_process_result(folder_pair, tmp_path):
+    """Both ranks embed a share of the images and scan a share of the distractor blocks."""
+    if "single" not in folder_pair:
+        pytest.skip("needs the one-process run of the test above")
+    made = folder_pair["made"]
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+           str(tmp_path / "log"), TOOL, "-c", CONFIG, "-o", f"Global.pretrained={folder_pair['weights']}",
+           "-o", f"Global.output_dir={tmp_path / 'out'}", "-o", "Eval.batch_size=8",
+           "--probes", made["probes"], "--distractors", made["distractors"], "--probe-noise",
+           made["probe_noise"], "--distractor-noise", made["distractor_noise"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    logs = "".join(open(tmp_path / "log" / f).read() for f in sorted(os.listdir(tmp_path / "log")))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs[-3000:]
+    two = json.load(open(tmp_path / "out" / "megaface_result.json"))
+    one = folder_pair["single"]
+    assert two["world_size"] == 2 and two["num_probes"] == one["num_probes"]
+    for key in ("counts", "cmc"):
+        assert two[key] == pytest.approx(one[key], abs=1e-9)
+    assert two["tar_at_far"]["1e-06"]["tar"] == pytest.approx(one["tar_at_far"]["1e-06"]["tar"], abs=1e-9)
