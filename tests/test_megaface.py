@@ -109,7 +109,8 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(folder_pair, tmp_path
     runs = [f"{c}|--probes|{made['probes']}|--distractors|{made['distractors']}|--probe-noise|"
             f"{made['probe_noise']}|--distractor-noise|{made['distractor_noise']}|--save-embeddings|"
             f"{tmp_path / 'emb'}",
-            f"{c}-2|--probes|{tmp_path / 'emb_probes.npy'}|--distractors|{tmp_path / 'emb_distractors.npy'}",
+            f"{c}-2|-o|Logging.visualdl=true|--probes|{tmp_path / 'emb_probes.npy'}|--distractors|"
+            f"{tmp_path / 'emb_distractors.npy'}",
             f"{c}|--probes|{tmp_path / 'emb_probes.npy'}|--distractors|{made['bad_npy']}",
             f"{c}|--probes|{tmp_path / 'nowhere'}|--distractors|{made['distractors']}"]
     proc = subprocess.run([sys.executable, "-c", code] + runs, capture_output=True, text=True,
@@ -133,6 +134,11 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(folder_pair, tmp_path
     assert first["counts"]["38"] == pytest.approx(rank1[38], abs=0.02)
     for name in ("megaface_cmc.png", "megaface_rank1.png", "megaface_roc.png"):
         assert os.path.getsize(out / name) > 1000
+    from visualdl import LogReader
+    vdl = str(out) + "-2/vdl"
+    tags = LogReader(file_path=os.path.join(vdl, os.listdir(vdl)[0])).get_tags()
+    assert {"megaface/cmc", "megaface/rank1", "megaface/roc"} <= set(tags["image"])
+    assert {"megaface/rank1_at_10", "megaface/tar_at_far_1e-06"} <= set(tags["scalar"])
     folder_pair["single"] = first
 
 
