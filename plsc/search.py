@@ -10,8 +10,8 @@ with `normalize=False`, raw dot products. An index is one file written through p
 import numpy as np
 
 from .fileio import atomic_path
-from .metrics.scan import (DEFAULT_BLOCK_BYTES, LocalComm, ScoreBuffer, TopK, block_size, blocks,
-                           collect_above, prepare_embeddings, threshold_at_rate)
+from .metrics.scan import (DEFAULT_BLOCK_BYTES, LocalComm, TopK, block_size, blocks, collect_above,
+                           prepare_embeddings, scan, threshold_at_rate)
 
 __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "recall_at_k", "open_set_threshold",
            "overlap_report"]
@@ -66,9 +66,8 @@ class SearchIndex:
             raise ValueError(f"queries are {q.shape[1]}-d, the gallery {g.shape[1]}-d")
         top = TopK(len(q), k)
         rows_, cols = block_size(len(q), len(g), block_bytes)
-        buf = ScoreBuffer(rows_ * cols)
-        for r0, r1, c0, c1 in blocks(len(q), len(g), rows_, cols):
-            top.update(r0, c0, buf.scores(q[r0:r1], g[c0:c1]))
+        scan(q, g, blocks(len(q), len(g), rows_, cols), lambda b, s: top.update(b[0], b[2], s),
+             rows_ * cols)
         return top.scores, top.index
 
     def save(self, path):
@@ -167,10 +166,10 @@ def overlap_report(train_names=None, test_names=None, train=None, test=None, thr
         if a.shape[1] != b.shape[1]:
             raise ValueError(f"test embeddings are {a.shape[1]}-d, train embeddings {b.shape[1]}-d")
         rows, cols = block_size(len(a), len(b), block_bytes)
-        buf = ScoreBuffer(rows * cols)
         found = []
-        for r0, r1, c0, c1 in blocks(len(a), len(b), rows, cols, comm=comm):
-            found.append(np.stack(collect_above(buf.scores(a[r0:r1], b[c0:c1]), threshold, r0, c0), 1))
+        scan(a, b, blocks(len(a), len(b), rows, cols, comm=comm),
+             lambda blk, s: found.append(np.stack(collect_above(s, threshold, blk[0], blk[2]), 1)),
+             rows * cols)
         mine = np.concatenate(found) if found else np.zeros((0, 3))
         cat = [comm.concat(mine[:, i].astype(np.float64)) for i in range(3)]
         order = np.lexsort((cat[1], cat[0], -cat[2]))

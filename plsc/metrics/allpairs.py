@@ -10,13 +10,14 @@ impostor score).
 
 One pass over the upper triangle of the score matrix, block by block: only the scores above
 a bound L are kept (L from a pilot sample of rows, set so that some 4·f·M impostors pass
-it; when too few pass, the pass is repeated with a lower bound). Memory: one block plus 12
-bytes per kept score, about 2·f_max·M of them.
+it; when too few pass, the pass is repeated with a lower bound). Memory: two blocks (the next
+block's GEMM runs while a thread sifts the last) plus 12 bytes per kept score, about 2·f_max·M
+of them.
 """
 import numpy as np
 
-from .scan import (LocalComm, ScoreBuffer, blocks, block_size, collect_above, count_at_rate,
-                   prepare_embeddings, DEFAULT_BLOCK_BYTES)
+from .scan import (LocalComm, blocks, block_size, collect_above, count_at_rate, prepare_embeddings,
+                   scan, DEFAULT_BLOCK_BYTES)
 
 __all__ = ["ALLPAIRS_FARS", "pair_counts", "allpairs_tar_at_far"]
 
@@ -75,15 +76,16 @@ def allpairs_tar_at_far(embeddings, labels, fars=ALLPAIRS_FARS, normalize=True,
     bound = float(comm.max(np.array([_pilot_bound(x, codes, min(need, impostors), impostors,
                                                   np.random.default_rng(seed))]))[0])
     margins = [16.0, 256.0, None]
-    buf = ScoreBuffer(rows * cols)
     while True:
         imp, gen = [], []
-        for r0, r1, c0, c1 in mine:
-            s = buf.scores(x[r0:r1], x[c0:c1])
-            ri, ci, v = collect_above(s, bound, r0, c0, upper=True)
+
+        def consume(block, s):
+            ri, ci, v = collect_above(s, bound, block[0], block[2], upper=True)
             same = codes[ri] == codes[ci]
             imp.append(v[~same])
             gen.append(v[same])
+
+        scan(x, x, mine, consume, rows * cols)
         imp = np.concatenate(imp) if imp else np.zeros(0, np.float32)
         gen = np.concatenate(gen) if gen else np.zeros(0, np.float32)
         kept = int(comm.sum(np.array([len(imp)], np.int64))[0])

@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from .scan import (DEFAULT_BLOCK_BYTES, LocalComm, ScoreBuffer, TopK, collect_above, count_at_rate,
-                   prepare_embeddings)
+from .scan import (DEFAULT_BLOCK_BYTES, LocalComm, TopK, collect_above, count_at_rate,
+                   prepare_embeddings, scan)
 
 __all__ = ["MEGAFACE_COUNTS", "distractor_counts", "megaface_report"]
 
@@ -81,22 +81,23 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
     segments = list(zip(edges[:-1], edges[1:]))
     rows = max(1, min(n_p, block_bytes // 4 // cols))
     work = [(r0, min(n_p, r0 + rows), j) for j in range(len(segments)) for r0 in range(0, n_p, rows)]
+    segment_of = {c0: j for j, (c0, _) in enumerate(segments)}
     seg_max = np.full((len(segments), n_p), -np.inf, np.float32)
     below = counts[-2] if len(counts) > 1 else 0  # segments past it: all distractors, top-1 of TopK
     top = TopK(n_p, max_rank)
-    buf = ScoreBuffer(rows * cols)
     while True:
         kept = []
-        for r0, r1, j in work[comm.rank::comm.world]:
-            c0, c1 = segments[j]
-            s = buf.scores(p[r0:r1], d[c0:c1])
+
+        def consume(block, s):
+            r0, r1, c0, c1 = block
+            j = segment_of[c0]
             if c1 <= below:
                 seg_max[j, r0:r1] = s.max(axis=1)
             kth = top.kth(r0, r1)
             if np.isneginf(kth).any():  # a first block: TopK bounds it itself
                 top.update(r0, c0, s)
                 kept.append(collect_above(s, bound)[2])
-                continue
+                return
             # one compare for both: above the row's k-th best (TopK) or above the bound (ROC)
             bar = np.nextafter(np.minimum(kth, np.float32(bound)), np.float32(np.inf))
             flat = np.flatnonzero((s >= bar[:, None]).reshape(-1))
@@ -105,6 +106,9 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
             better = vals > kth[ri]
             top.merge(r0, c0, ri[better], ci[better], vals[better])
             kept.append(vals[vals > bound])
+
+        scan(p, d, [(r0, r1, segments[j][0], segments[j][1]) for r0, r1, j in work[comm.rank::comm.world]],
+             consume, rows * cols)
         kept = np.concatenate(kept) if kept else np.zeros(0, np.float32)
         if int(comm.sum(np.array([len(kept)]))[0]) >= min(need, impostors) or bound == -np.inf:
             break

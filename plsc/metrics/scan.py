@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-__all__ = ["LocalComm", "prepare_embeddings", "block_size", "blocks", "ScoreBuffer", "TopK",
+__all__ = ["LocalComm", "prepare_embeddings", "block_size", "blocks", "ScoreBuffer", "scan", "TopK",
            "collect_above",
            "count_at_rate", "threshold_at_rate"]
 
@@ -160,6 +160,29 @@ class ScoreBuffer:
         """a @ b.T as a C-contiguous view of the buffer (no allocation)."""
         out = self.flat[:len(a) * len(b)].reshape(len(a), len(b))
         return np.matmul(a, b.T, out=out)
+
+
+def scan(a, b, work, consume, size, overlap=True):
+    """For each block (r0, r1, c0, c1) of `work`, in order: `consume(block, s)` with s = a[r0:r1]
+    @ b[c0:c1].T (float32, C-contiguous, valid during the call). With `overlap`, two buffers of
+    `size` scores: block i+1's GEMM runs while a worker thread consumes block i (one call at a
+    time, in order, so `consume` needs no lock); its exceptions come through."""
+    if not overlap:
+        buf = ScoreBuffer(size)
+        for r0, r1, c0, c1 in work:
+            consume((r0, r1, c0, c1), buf.scores(a[r0:r1], b[c0:c1]))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    bufs = (ScoreBuffer(size), ScoreBuffer(size))
+    with ThreadPoolExecutor(1, thread_name_prefix="plsc-scan") as pool:
+        pending = None
+        for i, (r0, r1, c0, c1) in enumerate(work):
+            s = bufs[i % 2].scores(a[r0:r1], b[c0:c1])
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(consume, (r0, r1, c0, c1), s)
+        if pending is not None:
+            pending.result()
 
 
 def collect_above(s, bound, r0=0, c0=0, upper=False):
