@@ -11,7 +11,7 @@ impostor score).
 One pass over the upper triangle of the score matrix, block by block: only the scores above
 a bound L are kept (L from a pilot sample of rows, set so that some 4·f·M impostors pass
 it; when too few pass, the pass is repeated with a lower bound). Memory: two blocks (the next
-block's GEMM runs while a thread sifts the last) plus 12 bytes per kept score, about 2·f_max·M
+block's GEMM runs while a thread sifts the last) plus 4 bytes per kept score, about 4·f_max·M
 of them.
 """
 import numpy as np
