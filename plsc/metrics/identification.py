@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from .scan import ScoreBuffer, block_size, prepare_embeddings, threshold_at_rate, DEFAULT_BLOCK_BYTES
+from .scan import ScoreBuffer, prepare_embeddings, threshold_at_rate, DEFAULT_BLOCK_BYTES
 
 __all__ = ["CMC_RANKS", "FPIR_TARGETS", "IJB1N_RANKS", "IJB1N_FARS", "search_statistics",
            "open_set_identification", "ijb_1n_convention"]
