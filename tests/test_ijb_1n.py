@@ -224,3 +224,25 @@ def test_tool_1n_bad_lists_fail_in_one_line(layout, tmp_path, capsys):
     assert _tool(args) == 65
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "probe subject 777 has 0 gallery entries" in err[0]
+
+
+def test_from_images_equals_from_the_saved_features(layout, tmp_path):
+    """The backbone path: features extracted (and saved) in the run give the figures that the
+    saved features give again."""
+    import paddle
+    from engine_common import config
+    from plsc.apps.ijb_1n import evaluate_ijb_1n
+    from plsc.runtime import build_backbone
+    cfg = config(str(tmp_path / "unused"), str(tmp_path / "out"), Eval={"batch_size": 16},
+                 Logging={"visualdl": False, "progress_bar": False})
+    paddle.seed(0)
+    weights = str(tmp_path / "backbone.pdparams")
+    paddle.save(build_backbone(cfg).state_dict(), weights)
+    cfg["Global"]["pretrained"] = weights
+    saved = str(tmp_path / "feats.npy")
+    first = evaluate_ijb_1n(cfg, layout["root"], "IJBC", save_features=saved, progress=False,
+                            out=open(os.devnull, "w"))
+    assert np.load(saved).shape == (len(layout["ref"]["names"]), 32)
+    again = evaluate_ijb_1n(cfg, layout["root"], "IJBC", features=saved, out=open(os.devnull, "w"))
+    assert again == first
+    assert first["galleries"]["G1"]["mated"] > 0 and first["ijb_1n_convention"]["probes"] == first["probes"]
