@@ -39,8 +39,11 @@ setup(
         "onnx": ["paddle2onnx>=2.0", "onnxruntime>=1.16"],
         # paddle.distributed.launch --master etcd://... (automatic restart) imports etcd3
         "elastic": ["etcd3>=0.12"],
+        # tools/search.py --kind ivf|hnsw (plsc.search)
+        "search": ["faiss-cpu>=1.7"],
         "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16", "etcd3>=0.12",
-                 "scikit-learn>=1.0"],  # the ROC oracle of the IJB tests
+                 "scikit-learn>=1.0",  # the ROC oracle of the IJB tests
+                 "faiss-cpu>=1.7"],  # plsc.search's IVF / HNSW recall tests
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,6 +1,7 @@
 """Throughput of tools/eval_ijb.py's pipeline, and where its time goes. Prints JSON.
 
     python benchmarks/benchmark_ijb.py --make-layout DIR [--num-images 3000] [--crop-size 250]
+        (also writes the 1:N lists meta/ijbc_1N_{gallery_G1,gallery_G2,probe_mixed}.csv)
     python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_ijb.py -c configs/demo.yaml \
         --root DIR [-o Data.num_workers=1]
 
@@ -19,14 +20,16 @@ import time
 
 
 def make_layout(out, num_images, crop_size, seed):
-    from plsc.data.synthetic import generate_ijb
+    from plsc.data.synthetic import generate_ijb, write_ijb_1n_lists
     per_identity = 3 * 4  # 3 templates of about 4 images
     t0 = time.perf_counter()
     ref = generate_ijb(out, "ijbc", num_identities=max(2, round(num_images / per_identity)),
                        templates_per_identity=3, face_size=112, crop_size=crop_size, max_pairs=100_000,
                        seed=seed)
+    lists = write_ijb_1n_lists(out, "ijbc", ref)  # the 1:N galleries and probes (--protocol 1n)
     return {"root": out, "num_images": len(ref["names"]), "num_templates": len(set(ref["templates"].tolist())),
-            "num_pairs": len(ref["labels"]), "crop_size": crop_size, "seconds": time.perf_counter() - t0}
+            "num_pairs": len(ref["labels"]),
+            "1n_templates": {k: len(v[0]) for k, v in lists.items()}, "crop_size": crop_size, "seconds": time.perf_counter() - t0}
 
 
 def benchmark(cfg, root, repeats):

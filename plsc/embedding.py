@@ -11,7 +11,7 @@ from .distributed import failed_rank, gather_concat, get_rank, get_world_size
 from .metrics import verification_report
 
 __all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "embedding_size", "rank_share",
-           "gather_shares", "share_batches"]
+           "gather_shares", "share_batches", "RankComm"]
 
 
 def rank_share(n):
@@ -20,6 +20,38 @@ def rank_share(n):
     rank, world = get_rank(), get_world_size()
     share = -(-n // world)
     return min(n, rank * share), min(n, (rank + 1) * share), share
+
+
+class RankComm:
+    """The launched ranks as the `comm` of plsc.metrics.scan: `sum`, `max` (float64, element-
+    wise) and `concat` (1-D arrays of any length, in rank order) over all ranks."""
+
+    def __init__(self):
+        self.rank, self.world = get_rank(), get_world_size()
+
+    def _reduce(self, a, op):
+        from .distributed import all_reduce_
+        a = np.asarray(a)
+        if self.world == 1:
+            return a
+        t = paddle.to_tensor(a.astype(np.float64).reshape(-1))
+        return all_reduce_(t, op).numpy().reshape(a.shape).astype(a.dtype)
+
+    def sum(self, a):
+        return self._reduce(a, "sum")
+
+    def max(self, a):
+        return self._reduce(a, "max")
+
+    def concat(self, a):
+        a = np.asarray(a).reshape(-1)
+        if self.world == 1:
+            return a
+        sizes = gather_concat(paddle.to_tensor(np.array([len(a)], np.int64))).numpy()
+        padded = np.zeros(max(1, int(sizes.max())), a.dtype)
+        padded[:len(a)] = a
+        every = gather_concat(paddle.to_tensor(padded)).numpy().reshape(self.world, -1)
+        return np.concatenate([every[r, :sizes[r]] for r in range(self.world)])
 
 
 def share_batches(dataset, n, batch_size, num_workers=0):

@@ -22,8 +22,8 @@ from .. import runtime
 from ..runtime import progress as draw_progress, show_progress
 from .tasks import evaluation_model
 
-__all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "format_ijb_table",
-           "evaluate_ijb"]
+__all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "ijb_features",
+           "format_ijb_table", "evaluate_ijb"]
 
 
 def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, progress=False):
@@ -74,6 +74,23 @@ def save_ijb_features(path, features):
     """Write [N, d] float32 features to `path` (.npy) under a temporary name, then rename."""
     _write_npy(path, np.asarray(features, np.float32))
     return path
+
+
+def ijb_features(cfg, meta, features=None, save_features=None, backbone=None, progress=None,
+                 onnx=None, onnx_input="rgb"):
+    """The [N, d] image features of `meta` on every rank: read from `features` (.npy), or
+    extracted by all ranks (see `evaluate_ijb`); rank 0 saves them to `save_features`."""
+    if features is not None:
+        feats = load_ijb_features(features, meta)
+    else:
+        check_ijb_images(meta)
+        cfg, model = evaluation_model(cfg, backbone, onnx, onnx_input)
+        show = show_progress(progress, cfg["Logging"]["progress_bar"], pd.get_rank())
+        feats = extract_ijb_features(model, meta, cfg["Data"]["image_size"], cfg["Eval"]["batch_size"],
+                                     cfg["Data"]["num_workers"], progress=show)
+    if save_features and pd.get_rank() == 0:
+        save_ijb_features(save_features, feats)
+    return feats
 
 
 def format_ijb_table(result):
@@ -127,16 +144,7 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
     runtime.start(cfg)
     meta = read_ijb_meta(root, target)
     rank0 = pd.get_rank() == 0
-    if features is not None:
-        feats = load_ijb_features(features, meta)
-    else:
-        check_ijb_images(meta)
-        cfg, model = evaluation_model(cfg, backbone, onnx, onnx_input)
-        show = show_progress(progress, cfg["Logging"]["progress_bar"], pd.get_rank())
-        feats = extract_ijb_features(model, meta, cfg["Data"]["image_size"], cfg["Eval"]["batch_size"],
-                                     cfg["Data"]["num_workers"], progress=show)
-    if save_features and rank0:
-        save_ijb_features(save_features, feats)
+    feats = ijb_features(cfg, meta, features, save_features, backbone, progress, onnx, onnx_input)
     report = ijb_report(feats, meta.templates, meta.medias, meta.pairs, meta.labels,
                         meta.det_scores if detector_score else None, normalize_images, FAR_TARGETS)
     result = {"target": meta.target.upper(), "num_images": meta.num_images,

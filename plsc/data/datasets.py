@@ -17,7 +17,7 @@ from .recordio import _MAX_LEN, MAGIC, WHOLE, RecordIOReader
 from .sources import read_image_list, scan_image_folder
 from .transforms import FaceTransform
 
-__all__ = ["RecordIODataset", "ImageFolderDataset", "ImageListDataset"]
+__all__ = ["RecordIODataset", "ImageFolderDataset", "ImageListDataset", "ImagePathsDataset"]
 
 _FAST = struct.Struct("<IIIf")  # record magic, length word, IRHeader flag and label
 _MAX_CONSECUTIVE_BAD = 100
@@ -196,3 +196,23 @@ class ImageListDataset(_FileListDataset):
         paths, labels, lines = read_image_list(list_path, root)
         super().__init__(paths, labels, lambda i: f"{list_path}:{lines[i]}", image_size, train, transform,
                          num_classes, skip_bad, mean, std)
+
+
+class ImagePathsDataset(_FileListDataset):
+    """Images named by a list file of paths, one a line (relative to `root`, by default the list
+    file's folder; blank lines and lines starting with ``#`` skipped), all labelled 0: e.g. a
+    distractor set."""
+
+    def __init__(self, list_path, root=None, image_size=(112, 112), train=False, transform=None,
+                 mean=127.5, std=127.5):
+        list_path = os.fspath(list_path)
+        root = os.path.dirname(os.path.abspath(list_path)) if root is None else os.fspath(root)
+        paths, lines = [], []
+        with open(list_path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    paths.append(os.path.join(root, line))
+                    lines.append(number)
+        super().__init__(paths, [0] * len(paths), lambda i: f"{list_path}:{lines[i]}", image_size, train,
+                         transform, None, False, mean, std)

@@ -19,7 +19,8 @@ from .align import reference_points
 from .facerec import write_face_rec
 from .verification import write_verification_bin
 
-__all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb"]
+__all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb",
+           "write_ijb_1n_lists", "generate_megaface"]
 
 
 def make_template(rng, size, num_parts=6):
@@ -170,3 +171,62 @@ def generate_ijb(root, target="ijbc", num_identities=6, templates_per_identity=3
             "landmarks": landmarks, "det_scores": np.asarray(det_scores),
             "identities": np.array([r[3] for r in rows]),
             "pairs": np.array([p[:2] for p in pairs]), "labels": np.array([p[2] for p in pairs])}
+
+
+def write_ijb_1n_lists(root, target, ref):
+    """The 1:N lists (plsc.data.ijb_1n) of a layout written by `generate_ijb` (`ref` its return):
+    each identity's lowest template id is its gallery template, in gallery 1 (G1 / S1) for even
+    identities and gallery 2 for odd ones; its other templates are probes. Subject ids are
+    identity + 1001. Returns {name: (template ids, subject ids)} as written."""
+    from ..fileio import atomic_write
+    from .ijb_1n import ijb_1n_paths
+    paths = ijb_1n_paths(root, target)
+    g1, g2 = [k for k in paths if k != "probe"]
+    subject_of = {int(t): int(i) + 1001 for t, i in zip(ref["templates"], ref["identities"])}
+    first = {}
+    for t in sorted(subject_of):
+        first.setdefault(subject_of[t], t)
+    role = {t: ((g1 if (s - 1001) % 2 == 0 else g2) if first[s] == t else "probe")
+            for t, s in subject_of.items()}
+    out = {}
+    for name, path in paths.items():
+        rows = [f"{t},{subject_of[int(t)]},{n}\n" for t, n in zip(ref["templates"], ref["names"])
+                if role[int(t)] == name]
+        atomic_write(path, "TEMPLATE_ID,SUBJECT_ID,FILENAME\n" + "".join(rows))
+        tids = sorted(t for t in subject_of if role[t] == name)
+        out[name] = (np.array(tids, np.int64), np.array([subject_of[t] for t in tids], np.int64))
+    return out
+
+
+def generate_megaface(root, num_identities=6, images_per_identity=(3, 6), num_distractors=40, face_size=48,
+                      seed=0):
+    """A FaceScrub/MegaFace-like pair under `root`: ``probes/<identity>/<k>.jpg`` (identity
+    folders), ``distractors/<k>.jpg`` named by ``distractors.txt`` (one path a line, relative to
+    `root`), and noise lists in insightface's format (one path a line):
+    ``facescrub_noises.txt`` (one probe image) and ``megaface_noises.txt`` (two distractors).
+    Distractors are rendered from identities of their own. Returns the paths and counts."""
+    from ..fileio import atomic_write
+    rng = np.random.default_rng(seed)
+    layout = make_template(rng, face_size)
+    num_probes = 0
+    for ident in range(num_identities):
+        proto = make_prototype(rng, face_size, layout)
+        folder = os.path.join(root, "probes", f"person_{ident:02d}")
+        os.makedirs(folder, exist_ok=True)
+        for k in range(int(rng.integers(images_per_identity[0], images_per_identity[1] + 1))):
+            atomic_write(os.path.join(folder, f"{k}.jpg"), _encode(render_sample(proto, rng, 0.6), 95))
+            num_probes += 1
+    os.makedirs(os.path.join(root, "distractors"), exist_ok=True)
+    names = []
+    for k in range(num_distractors):
+        proto = make_prototype(rng, face_size, layout)
+        names.append(f"distractors/{k}.jpg")
+        atomic_write(os.path.join(root, names[-1]), _encode(render_sample(proto, rng, 0.6), 95))
+    atomic_write(os.path.join(root, "distractors.txt"), "".join(n + "\n" for n in names))
+    atomic_write(os.path.join(root, "facescrub_noises.txt"), "person_01/0.jpg\n")
+    atomic_write(os.path.join(root, "megaface_noises.txt"), f"{names[3]}\n{names[7]}\n")
+    return {"root": root, "probes": os.path.join(root, "probes"),
+            "distractors": os.path.join(root, "distractors.txt"),
+            "probe_noise": os.path.join(root, "facescrub_noises.txt"),
+            "distractor_noise": os.path.join(root, "megaface_noises.txt"),
+            "num_probes": num_probes, "num_distractors": num_distractors}

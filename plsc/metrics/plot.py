@@ -5,7 +5,8 @@ import math
 import cv2
 import numpy as np
 
-__all__ = ["roc_image", "save_roc_png", "angle_histogram_image", "save_angle_histogram_png"]
+__all__ = ["roc_image", "save_roc_png", "angle_histogram_image", "save_angle_histogram_png",
+           "curve_image", "save_curve_png"]
 
 
 def _draw(curves, size, far_min):
@@ -108,4 +109,59 @@ def save_angle_histogram_png(angles, kept, threshold, path, bin_degrees=2.0, siz
     if not cv2.imwrite(path, _draw_angle_histogram(angles, kept, threshold, bin_degrees, size,
                                                    title)):
         raise OSError(f"could not write {path}")
+    return path
+
+
+def _draw_curves(curves, x_label, y_label, log_x, size):
+    """y (0..1) against x (log10 scale when `log_x`) for `curves` {label: (x, y)}, as BGR."""
+    w, h = size
+    left, right, top, bottom = 70, 20, 20, 50
+    img = np.full((h, w, 3), 255, np.uint8)
+    x0, x1, y0, y1 = left, w - right, h - bottom, top
+    xs = np.concatenate([np.asarray(x, np.float64) for x, _ in curves.values()])
+    tx = np.log10 if log_x else (lambda v: np.asarray(v, np.float64))
+    lo, hi = float(tx(xs.min())), float(tx(xs.max()))
+    hi = hi if hi > lo else lo + 1
+
+    def px(x, y):
+        fx = (tx(np.asarray(x, np.float64)) - lo) / (hi - lo)
+        return (x0 + fx * (x1 - x0)).astype(int), (y0 - np.asarray(y) * (y0 - y1)).astype(int)
+
+    ticks = np.unique(np.round(np.linspace(lo, hi, 6), 6))
+    for t in ticks:
+        x = int(x0 + (t - lo) / (hi - lo) * (x1 - x0))
+        cv2.line(img, (x, y1), (x, y0), (225, 225, 225), 1)
+        label = f"1e{int(round(t))}" if log_x and abs(t - round(t)) < 1e-6 else (f"{10 ** t:.3g}" if log_x else f"{t:g}")
+        cv2.putText(img, label, (x - 15, y0 + 18), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1)
+    for k in range(6):
+        y = y0 - k * (y0 - y1) // 5
+        cv2.line(img, (x0, y), (x1, y), (225, 225, 225), 1)
+        cv2.putText(img, f"{k / 5:.1f}", (x0 - 35, y + 4), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1)
+    cv2.rectangle(img, (x0, y1), (x1, y0), (0, 0, 0), 1)
+    cv2.putText(img, x_label, (w // 2 - 80, h - 10), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+    cv2.putText(img, y_label, (8, h // 2), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+    colours = [(200, 80, 0), (0, 140, 0), (0, 0, 200), (160, 0, 160), (0, 140, 160)]
+    for i, (label, (x, y)) in enumerate(curves.items()):
+        a, b = px(x, y)
+        colour = colours[i % len(colours)]
+        cv2.polylines(img, [np.stack([a, b], 1).reshape(-1, 1, 2)], False, colour, 2)
+        for u, v in zip(a, b):
+            cv2.circle(img, (int(u), int(v)), 3, colour, -1)
+        cv2.putText(img, str(label), (x0 + 10, y1 + 20 + 18 * i), cv2.FONT_HERSHEY_SIMPLEX, 0.5, colour, 1)
+    return img
+
+
+def curve_image(curves, x_label, y_label, log_x=False, size=(640, 480)):
+    """y (0..1) against x for `curves` {label: (x, y)} as an HWC uint8 RGB array (e.g. a CMC, or
+    rank-1 identification against the distractor count with `log_x`)."""
+    return np.ascontiguousarray(_draw_curves(curves, x_label, y_label, log_x, size)[:, :, ::-1])
+
+
+def save_curve_png(curves, path, x_label, y_label, log_x=False, size=(640, 480)):
+    """`curve_image` written to the PNG `path` (through plsc.fileio)."""
+    from ..fileio import atomic_write
+    ok, data = cv2.imencode(".png", _draw_curves(curves, x_label, y_label, log_x, size))
+    if not ok:
+        raise OSError(f"could not encode {path}")
+    atomic_write(path, data.tobytes())
     return path
