@@ -22,6 +22,7 @@ from ..checkpoint.layout import is_centre_array, state_array
 from ..checkpoint.lock import claim_folder
 from ..data import PeerDataError
 from ..embedding import VerificationEvaluator
+from ..fileio import atomic_write
 from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
@@ -192,8 +193,7 @@ class Trainer:
                 self.resume(path)
         if self.rank == 0:
             os.makedirs(self.output_dir, exist_ok=True)
-            with open(os.path.join(self.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(dump_config(cfg))
+            atomic_write(os.path.join(self.output_dir, "config.yaml"), dump_config(cfg))
 
     def _claim(self):
         """Rank 0 locks the output folder and checks that it and the VisualDL folder can be
