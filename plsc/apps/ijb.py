@@ -6,7 +6,6 @@ and gathered. Rank 0 prints TAR@FAR and AUC and writes, under Global.output_dir,
 `<target>_result.json`, `<target>_scores.npy`, `<target>_roc.png` with the target in
 lower case (`ijbc_result.json`, ...) and (with Logging.visualdl) the ROC image and the figures to `vdl/`.
 """
-import json
 import os
 import sys
 
@@ -15,11 +14,11 @@ import paddle
 
 from .. import distributed as pd
 from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, read_ijb_meta
-from ..fileio import AtomicWriter
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from ..embedding import embedding_size, gather_shares, rank_share, share_batches
 from .. import runtime
 from ..runtime import progress as draw_progress, show_progress
+from .arrays import write_json, write_npy
 from .tasks import evaluation_model
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "ijb_features",
@@ -72,7 +71,7 @@ def load_ijb_features(path, meta):
 
 def save_ijb_features(path, features):
     """Write [N, d] float32 features to `path` (.npy) under a temporary name, then rename."""
-    _write_npy(path, np.asarray(features, np.float32))
+    write_npy(path, np.asarray(features, np.float32))
     return path
 
 
@@ -101,16 +100,6 @@ def format_ijb_table(result):
         f"{100 * result['auc']:>9.2f}"
     return "\n".join([f"{result['target']}: {result['num_images']} images, {result['num_templates']} "
                       f"templates, {result['num_pairs']} pairs", head, row])
-
-
-def _write_json(path, obj):
-    with AtomicWriter(path) as f:
-        f.write(json.dumps(obj, indent=1))
-
-
-def _write_npy(path, arr):
-    with AtomicWriter(path) as f:
-        np.save(f, arr)
 
 
 def _log_visualdl(logdir, result, image, step):
@@ -157,8 +146,8 @@ def evaluate_ijb(cfg, root, target, features=None, save_features=None, detector_
         os.makedirs(out_dir, exist_ok=True)
         stem = os.path.join(out_dir, meta.target.lower())
         curves = {meta.target.upper(): (report["far"], report["tar"])}
-        _write_json(stem + "_result.json", result)
-        _write_npy(stem + "_scores.npy", report["scores"])
+        write_json(stem + "_result.json", result)
+        write_npy(stem + "_scores.npy", report["scores"])
         save_roc_png(curves, stem + "_roc.png", far_min=1e-6)
         if cfg["Logging"]["visualdl"]:
             _log_visualdl(os.path.join(out_dir, "vdl"), result, roc_image(curves, far_min=1e-6), int(step))
