@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import paddle
 import pytest
-import yaml
 from paddle import nn
 
 from engine_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config, head_bits,
                            make_backbone, make_data)
+from plsc.config import dump_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
 from plsc.train.divergence import DIVERGED_EXIT_CODE, Diverged
@@ -196,20 +196,13 @@ def test_an_overflowing_update_is_not_saved(tmp_path, data_root):
     assert not any(n.startswith("step_00000002") for n in names), names
 
 
-def _folder_config(tmp_path, data_root, **global_):
-    raw = {"Global": dict({"seed": 0, "output_dir": str(tmp_path / "out"), "device": "cpu",
-                           "max_steps": 8, "log_interval": 1, "checkpoint": "auto"}, **global_),
-           "Model": {"name": "IResNetTiny", "embedding_size": 16},
-           "Loss": {"margin": "arcface", "scale": 16.0, "num_classes": CLASSES},
-           "Data": {"dataset": "synthetic", "root": data_root, "image_size": [IMAGE, IMAGE],
-                    "batch_size": 8, "num_workers": 0,
-                    "synthetic": {"num_identities": CLASSES, "images_per_identity": 6,
-                                  "num_val_identities": 8, "num_pairs": 40}},
-           "Optimizer": {"lr": 0.05},
-           "Checkpoint": {"interval": 2},
-           "Logging": {"visualdl": False, "progress_bar": False}}
+def _folder_config(tmp_path, data_root):
+    """engine_common's config as a YAML file for tools/train.py: 8 steps of 8 images,
+    a checkpoint every 2, resumed by itself (Global.checkpoint: auto)."""
+    cfg = config(data_root, str(tmp_path / "out"), Global={"max_steps": 8, "checkpoint": "auto"},
+                 Data={"batch_size": 8}, Checkpoint={"interval": 2})
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(dump_config(cfg))
     return str(path)
 
 
