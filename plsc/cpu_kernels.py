@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 
-__all__ = ["set_threads", "threads", "applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
+__all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
            "finite_flag"]
 
@@ -30,6 +30,23 @@ _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one s
 
 _pools = {}
 _threads = 1  # threads of these kernels (Paddle's own default is 1)
+
+KERNELS_ENV = "PLSC_KERNELS"  # "device": every tensor takes the device set (Paddle ops only)
+_KERNEL_SETS = ("auto", "device")
+
+
+def kernel_set():
+    """The kernel set asked for by PLSC_KERNELS: "auto" (by the tensor's place) or "device"."""
+    value = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if value not in _KERNEL_SETS:
+        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(_KERNEL_SETS)}")
+    return value
+
+
+def cpu_set(*tensors):
+    """True when the CPU kernel set serves these tensors: all on the CPU and PLSC_KERNELS is not
+    "device". The one place where a tensor's kernel set is chosen; everything else asks here."""
+    return kernel_set() != "device" and all(t.place.is_cpu_place() for t in tensors)
 
 
 def set_threads(n):
@@ -45,7 +62,7 @@ def threads():
 
 def applies(*tensors, dtypes=(paddle.float32,)):
     """True when every tensor is a non-empty CPU tensor of one of `dtypes` (float32)."""
-    return all(t.place.is_cpu_place() and t.dtype in dtypes and t.size > 0 for t in tensors)
+    return cpu_set(*tensors) and all(t.dtype in dtypes and t.size > 0 for t in tensors)
 
 
 def as_numpy(t):
@@ -251,7 +268,7 @@ def finite_flag(tensors):
     """A 0-d bool tensor: every tensor (None: skipped) is free of inf and NaN. On the CPU the
     check runs on the tensors' memory; elsewhere it stays on the device (nothing is read)."""
     tensors = [t for t in tensors if t is not None]
-    if all(t.place.is_cpu_place() for t in tensors):
+    if cpu_set(*tensors):
         return paddle.to_tensor(all_finite(*tensors))
     flags = [paddle.isfinite(t).all() for t in tensors]
     return paddle.stack(flags).all() if flags else paddle.to_tensor(True)

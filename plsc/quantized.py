@@ -32,7 +32,7 @@ same bits (tested), 2.5-17 times faster than Paddle 3.3's CPU kernels on a [1024
 import numpy as np
 import paddle
 
-from .cpu_kernels import all_finite, applies, as_numpy, run_rows, take_rows
+from .cpu_kernels import all_finite, applies, cpu_set, as_numpy, run_rows, take_rows
 from .numerics import SLAB_BYTES, STORAGE_DTYPES, gather_rows, to_float32
 
 __all__ = ["HEAD_DTYPES", "INT8_MAPS", "Int8Rows", "quantize", "dequantize", "rows_f32",
@@ -134,7 +134,7 @@ def quantize(x, name="int8", noise=None):
 
 
 def _on_cpu(*tensors):
-    return all(t.place.is_cpu_place() and t.size > 0 and t.is_contiguous() for t in tensors) \
+    return cpu_set(*tensors) and all(t.size > 0 and t.is_contiguous() for t in tensors) \
         and applies(tensors[0], dtypes=(paddle.float32, paddle.int8, paddle.uint8))
 
 

@@ -238,7 +238,7 @@ def _zero_clamped_(step, block, exp_logits):
     mask = block.clamped
     if mask is None:
         return
-    if applies(exp_logits) and exp_logits.is_contiguous() and mask.place.is_cpu_place():
+    if applies(exp_logits, mask, dtypes=(paddle.float32, paddle.bool)) and exp_logits.is_contiguous():
         e, m = as_numpy(exp_logits), as_numpy(mask)
 
         def rows(lo, hi):
