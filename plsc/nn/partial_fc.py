@@ -297,20 +297,37 @@ class PartialFC(nn.Layer):
         read; raises ValueError (the same on every rank) if a label was outside [0, C). With
         `finite`, a 0-d bool tensor (e.g. whether the step's gradients are finite), that is
         read in the same read and `(loss, finite and the loss is finite)` is returned."""
+        read = self.read_loss_checks([self.loss_check(loss)], finite)
+        return read[0] if finite is None else (read[0][0], read[1])
+
+    def loss_check(self, loss):
+        """`loss` of the last forward and its label check as a float64 `[4]` tensor left on the
+        device: (loss, bad labels in the global batch, the first one's position, its value)."""
         bad = self._bad_labels.astype("int64")
         first = paddle.argmax(bad)
-        values = [loss.reshape([]).astype("float64"), bad.sum().astype("float64"),
-                  first.astype("float64"), self._global_labels[first].astype("float64")]
+        return paddle.stack([loss.reshape([]).astype("float64"), bad.sum().astype("float64"),
+                             first.astype("float64"),
+                             self._global_labels[first].astype("float64")])
+
+    def read_loss_checks(self, checks, finite=None):
+        """One host read of `loss_check`s (of micro-batches of the same size, in order) and of
+        `finite` (0-d bool tensor or None); raises ValueError, the same on every rank, for the
+        first bad label. Returns the losses (floats), or `(losses, finite and every loss is
+        finite)` with `finite`."""
+        parts = list(checks)
         if finite is not None:
-            values.append(finite.reshape([]).astype("float64"))
-        packed = paddle.stack(values).numpy()
-        if packed[1]:
-            _raise_bad_label(int(packed[3]), int(packed[2]) // (self._global_labels.shape[0]
-                                                                 // self.world_size),
-                             int(packed[1]), self.num_classes, "the global batch")
+            parts.append(finite.reshape([1]).astype("float64"))
+        packed = paddle.concat(parts).numpy()
+        per_rank = self._global_labels.shape[0] // self.world_size
+        for i in range(len(checks)):
+            _, count, first, value = packed[4 * i:4 * i + 4]
+            if count:
+                _raise_bad_label(int(value), int(first) // per_rank, int(count),
+                                 self.num_classes, "the global batch")
+        losses = [float(v) for v in packed[0:4 * len(checks):4]]
         if finite is None:
-            return float(packed[0])
-        return float(packed[0]), bool(packed[4]) and math.isfinite(packed[0])
+            return losses
+        return losses, bool(packed[-1]) and all(math.isfinite(v) for v in losses)
 
     def _check_across_ranks(self, labels):
         """Every rank learns every rank's batch size and first bad label, then all raise alike."""

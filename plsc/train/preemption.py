@@ -3,8 +3,11 @@ so clearly when a rank dies.
 
 A handler records the first signal; before every optimizer step (its batches loaded) the ranks
 all-reduce (MAX) a two-element flag, so all of them learn of a signal that reached only one,
-and of a rank that could not load its batch, and stop at the same step. On a signal the trainer
-writes a checkpoint and raises `Preempted`; `tools/train.py` exits with `PREEMPTED_EXIT_CODE`.
+and of a rank that could not load its batch, and stop at the same step. The flag lives on the
+host and goes over a gloo group (`host_group`; on GPUs one beside NCCL's), so the agreement
+reads no device tensor: a step's only device read is the trainer's loss-and-finite read.
+On a signal the trainer writes a checkpoint and raises `Preempted`; `tools/train.py` exits
+with `PREEMPTED_EXIT_CODE`.
 On a data error the failing rank raises its `DataError` and the others `PeerDataError` (exit
 status 65). A second signal ends the process at once; the checkpoint folder being written is
 temporary and the previous checkpoint stays intact.
@@ -30,7 +33,7 @@ from .. import startup
 from ..startup import PREEMPTED_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
-           "peer_failure"]
+           "host_group", "peer_failure"]
 
 RANK_LOST_EXIT_CODE = 69  # EX_UNAVAILABLE: a rank this one needs is gone
 
@@ -160,12 +163,29 @@ class StopSignals:
 
     def agree(self, data_failed=False, group=None):
         """(the signal any rank of `group` received so far or 0, the highest rank whose data
-        failed to load or -1), the same on every rank: one all-reduce of two values, one host
-        read."""
+        failed to load or -1), the same on every rank: one all-reduce of two values held on the
+        host, over a host group (`host_group`), so that on a GPU it waits for no kernel."""
         rank, world = pd.group_rank_size(group)
         flag = paddle.to_tensor([float(self.signum), float(rank + 1 if data_failed else 0)],
-                                dtype="float32")
+                                dtype="float32", place=paddle.CPUPlace())
         if world > 1:
-            pd.all_reduce_(flag, "max", group)
+            pd.all_reduce_(flag, "max", host_group(group))
         signum, failed = flag.numpy().tolist()
         return int(signum), int(failed) - 1
+
+
+_HOST_GROUPS = {}
+
+
+def host_group(group=None):
+    """The group to all-reduce host (CPU) tensors of `group`'s ranks over: `group` itself where
+    its backend is gloo (the CPU), else (NCCL: GPUs) a gloo group of the same ranks, made at
+    the first call (a collective: every rank of `group` calls it at the same point) and kept."""
+    if (pd.group_rank_size(group)[1] == 1
+            or paddle.distributed.get_backend(group).lower() == "gloo"):
+        return group
+    key = None if group is None else tuple(group.ranks)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = paddle.distributed.new_group(None if group is None else list(key),
+                                                         backend="gloo")
+    return _HOST_GROUPS[key]

@@ -1,7 +1,6 @@
 """The training loop: data-parallel backbone, model-parallel head."""
 import contextlib
 import functools
-import math
 import os
 
 import numpy as np
@@ -28,7 +27,7 @@ from .builders import (build_backbone_optimizer, build_head_optimizer, build_mar
                        build_train_dataset)
 from .divergence import Diverged, NonFiniteSteps
 from .logger import TrainLogger, visualdl_dir
-from .preemption import Preempted, RankLost, StopSignals, peer_failure
+from .preemption import Preempted, RankLost, StopSignals, host_group, peer_failure
 
 __all__ = ["Trainer"]
 
@@ -168,6 +167,7 @@ class Trainer:
         self.skipped_in_epoch = self.skipped_total = 0  # bad samples replaced on this rank
         self._pending_skips = 0  # ... in batches loaded for a step not taken yet
         self.history = []  # (step, loss) of every optimizer step of this process
+        self.step_losses = []  # the last step's micro-batch losses (`optimizer_step`)
         self.eval_history = []
         self.best = {}  # target -> best accuracy so far
         self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
@@ -247,13 +247,14 @@ class Trainer:
         (loss * (self.scaler.scale * loss_factor)).backward()  # end_fused_step clears row_update
         return loss
 
-    def optimizer_step(self, loss=None, losses_finite=True):
+    def optimizer_step(self, loss=None, losses_finite=True, earlier=()):
         """Sum backbone gradients across ranks, check, unscale, clip, update both parts;
         returns whether the update was applied. A step whose loss or gradients are not all
         finite on some rank is skipped on every rank (the float16 loss scaler then halves its
         scale). `loss`, the last micro-batch's loss tensor, is read in the same host read as
-        the check and its label errors (`last_loss`); without it the check is read alone.
-        `losses_finite`: whether the losses of earlier micro-batches (read already) were."""
+        the check and its label errors (`last_loss`; `step_losses`: those of `earlier`, the
+        `head.loss_check`s of the earlier micro-batches, then it); without it the check is read
+        alone. `losses_finite`: whether losses read already were finite."""
         params = [p for p in self.backbone.parameters() if not p.stop_gradient]
         fused = self.fused_head_update  # then the head's rows were updated in the backward
         # The head's gradients differ from rank to rank: whether they are finite here rides
@@ -264,8 +265,10 @@ class Trainer:
                                  .reshape([1]))
         finite = paddle.logical_and(finite_flag([p.grad for p in params if p.grad is not None]),
                                     head_bad.reshape([]) == 0)
-        if loss is not None:
-            self.last_loss, finite = self.head.loss_value(loss, finite)  # the step's one read
+        if loss is not None:  # the step's one device read
+            self.step_losses, finite = self.head.read_loss_checks(
+                list(earlier) + [self.head.loss_check(loss)], finite)
+            self.last_loss = self.step_losses[-1]
         else:
             finite = bool(finite)
         finite = finite and losses_finite
@@ -298,15 +301,14 @@ class Trainer:
 
     def train_step(self, micro_batches):
         """One optimizer step over `micro_batches` [(images, labels), ...]; returns the mean loss."""
-        losses = []
+        checks = []  # the earlier micro-batches' losses and label checks, read with the last
         for i, (images, labels) in enumerate(micro_batches):
             loss = self._forward_backward(images, labels, 1.0 / len(micro_batches))
             if i + 1 < len(micro_batches):
-                losses.append(self.head.loss_value(loss))
+                checks.append(self.head.loss_check(loss))
                 self.head_opt.stash(self.head)
-        self.optimizer_step(loss, losses_finite=all(math.isfinite(v) for v in losses))
-        losses.append(self.last_loss)
-        return sum(losses) / len(losses)
+        self.optimizer_step(loss, earlier=checks)
+        return sum(self.step_losses) / len(self.step_losses)
 
     # ------------------------------------------------------------------ loop
     def _loader(self):
@@ -408,8 +410,9 @@ class Trainer:
     def _log_step_state(self):
         """VisualDL: AdaFace's statistics, and the bad samples skipped so far on all ranks."""
         if self.cfg["Data"]["skip_bad"]:
-            count = paddle.to_tensor([float(self.skipped_total)], dtype="float32")
-            total = pd.all_reduce_(count, "sum") if self.world > 1 else count
+            count = paddle.to_tensor([float(self.skipped_total)], dtype="float32",
+                                     place=paddle.CPUPlace())  # a host count: no device read
+            total = pd.all_reduce_(count, "sum", host_group()) if self.world > 1 else count
             self.log.scalar("data/skipped", total.item(), self.step)
         if self.log.writer is not None:
             for key, value in self._margin_state().items():
