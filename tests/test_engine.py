@@ -10,6 +10,7 @@ import pytest
 
 from engine_common import GRAD_CLIP, config, make_data
 from plsc.config import ConfigError
+from plsc.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint, read_meta
 from plsc.train.amp import LossScaler
@@ -22,8 +23,11 @@ def data_root(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("synthetic")))
 
 
+@pytest.mark.parametrize("kernels", ["auto", "device"])
 @pytest.mark.parametrize("ratio,opt", [(0.5, "sgd"), (1.0, "adamw")])
-def test_resume_equals_uninterrupted(tmp_path, data_root, ratio, opt):
+def test_resume_equals_uninterrupted(tmp_path, data_root, ratio, opt, kernels, monkeypatch):
+    """On both kernel sets (PLSC_KERNELS=device: Paddle ops only, what a GPU runs)."""
+    monkeypatch.setenv(KERNELS_ENV, kernels)
     sections = dict(Loss={"sample_ratio": ratio}, Optimizer={"name": opt})
     full = Trainer(config(data_root, str(tmp_path / "a"), **sections))
     history = full.train()

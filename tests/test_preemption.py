@@ -42,6 +42,32 @@ def test_stop_signals_are_recorded_then_restored():
     assert signal.set_wakeup_fd(-1) == -1  # the wake-up pipe was given back
 
 
+
+def test_agreement_is_a_host_tensor_over_a_gloo_group(monkeypatch):
+    """On GPUs (an NCCL world, faked here) the agreement's flag stays on the host and goes over
+    a gloo group made once beside NCCL's, so it reads no device tensor; on the CPU (gloo) the
+    world's group itself serves."""
+    from plsc import distributed as pd
+    from plsc.train import preemption
+    made, reduced = [], []
+    monkeypatch.setattr(preemption, "_HOST_GROUPS", {})
+    monkeypatch.setattr(pd, "group_rank_size", lambda group=None: (1, 2))
+    monkeypatch.setattr(paddle.distributed, "get_backend", lambda group=None: "NCCL")
+    monkeypatch.setattr(paddle.distributed, "new_group",
+                        lambda ranks=None, backend=None: made.append(backend) or "gloo-group")
+
+    def all_reduce_(x, op, group=None):
+        reduced.append((x.place.is_cpu_place(), op, group))
+        x[1] = 3.0  # rank 2 of some other group failed to load its batch
+        return x
+    monkeypatch.setattr(pd, "all_reduce_", all_reduce_)
+    stop = StopSignals()
+    assert stop.agree() == (0, 2) and stop.agree(data_failed=True) == (0, 2)
+    assert made == ["gloo"] and reduced == [(True, "max", "gloo-group")] * 2
+    monkeypatch.setattr(paddle.distributed, "get_backend", lambda group=None: "GLOO")
+    assert preemption.host_group() is None  # the CPU world's own group
+
+
 _SECOND_SIGNAL = """
 import os, signal, sys, threading, time
 from plsc.train.preemption import StopSignals

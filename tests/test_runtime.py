@@ -47,3 +47,43 @@ def test_threads_per_rank():
     assert runtime.cpu_threads(None, {"PADDLE_LOCAL_SIZE": str(4 * usable)})[0] == 1  # at least 1
     assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
     assert runtime.cpu_threads(5, {"OMP_NUM_THREADS": "3"}) == (5, "Global.cpu_threads")
+
+
+# ------------------------------------------------- the device choice, with the device faked
+@pytest.fixture
+def fake_devices(monkeypatch):
+    """Paddle's device query answers `state["gpus"]` GPUs (a CUDA build when > 0); the device
+    set and malloc's set-up are recorded instead of done."""
+    state = {"gpus": 0, "set": [], "malloc": 0}
+    monkeypatch.setattr(paddle.device, "is_compiled_with_cuda", lambda: state["gpus"] > 0)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: state["gpus"])
+    monkeypatch.setattr(paddle, "set_device", lambda name: state["set"].append(name))
+    monkeypatch.setattr(paddle, "get_device", lambda: state["set"][-1])
+    monkeypatch.setattr(runtime, "keep_freed_memory",
+                        lambda: state.__setitem__("malloc", state["malloc"] + 1))
+    monkeypatch.setattr(runtime, "set_cpu_threads", lambda n=None: None)
+    monkeypatch.delenv("FLAGS_selected_gpus", raising=False)
+    return state
+
+
+def test_auto_and_gpu_take_the_gpu_that_paddle_sees(fake_devices, monkeypatch):
+    fake_devices["gpus"] = 2
+    assert runtime.select_device("auto") == "gpu:0"
+    assert runtime.select_device("gpu") == "gpu:0"
+    monkeypatch.setenv("FLAGS_selected_gpus", "1,0")  # the launcher's choice for this rank
+    assert runtime.select_device("auto") == "gpu:1"
+    assert runtime.select_device("cpu") == "cpu"  # asked for explicitly
+    assert fake_devices["set"] == ["gpu:0", "gpu:0", "gpu:1", "cpu"]
+    assert fake_devices["malloc"] == 1  # malloc is set up for the CPU run only
+
+
+def test_no_gpu_means_cpu_for_auto_and_an_error_for_gpu(fake_devices):
+    from plsc.config import ConfigError
+    assert runtime.select_device("auto") == "cpu" and fake_devices["malloc"] == 1
+    with pytest.raises(ConfigError, match="Global.device is gpu but this Paddle build sees no GPU"):
+        runtime.select_device("gpu")
+    fake_devices["gpus"] = 0  # a CUDA build without a visible GPU counts as none too
+    paddle.device.is_compiled_with_cuda = lambda: True
+    with pytest.raises(ConfigError, match="sees no GPU"):
+        runtime.select_device("gpu")
+    assert fake_devices["set"] == ["cpu"]
