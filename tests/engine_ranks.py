@@ -8,7 +8,9 @@ invariant: two optimizer steps on k ranks from fixed weights and a fixed global
 batch, with the class centres stored as `--dtype` (Loss.param_dtype, default float32);
 rank 0 saves the resulting backbone and full classifier to OUT/result.npz,
 and the trainer saves a checkpoint (OUT/run/checkpoints/...); then a third step whose head
-gradient is NaN on the last rank only must be skipped by every rank (`skip_agreed`).
+gradient is NaN on the last rank only must be skipped by every rank (`skip_agreed`); before
+it, a backward whose gradients are summed while it runs must give `sum_gradients`' sums
+(`overlap_equal`).
 resume: for each `--resume`, in turn in the same group, resume CKPT (written by any
 number of ranks, in any dtype) on k ranks with Loss.param_dtype DTYPE; rank 0 saves the
 re-sharded classifier and optimizer rows as resumed, then two more steps run from them
@@ -88,6 +90,44 @@ def poisoned_step(trainer, rank, world):
     return flags.numpy() / world
 
 
+def overlap_check(trainer, rank, world):
+    """One more backward whose backbone gradients the trainer sums while it runs
+    (`OverlappedSum`), against `sum_gradients` after it on copies of the same local gradients.
+    Returns [share of the ranks with every sum equal bit for bit, share whose `extra` came
+    back as the number of ranks, the largest difference relative to a gradient's largest
+    element]. Nothing is applied (the head's update is left unfused and
+    discarded, the backbone's gradients cleared)."""
+    import paddle
+    from plsc.distributed import all_reduce_
+    from plsc.train.grad_sync import sum_gradients
+
+    class Holder:
+        def __init__(self, grad):
+            self.grad = grad
+    images, labels = global_batches(world, seed=4)[0]
+    per = 6 // world
+    sl = slice(rank * per, (rank + 1) * per)
+    trainer.cfg["Optimizer"]["fused_head_update"] = False
+    trainer._forward_backward(paddle.to_tensor(images[sl]), paddle.to_tensor(labels[sl]), 1.0)
+    params = [p for p in trainer.backbone.parameters() if not p.stop_gradient]
+    copies = [Holder(p.grad.clone()) for p in params if p.grad is not None]
+    extra = trainer.gradient_sum.finish(extra=paddle.ones([1], "float32"))
+    sum_gradients(copies, extra=paddle.ones([1], "float32"))
+    summed = [p.grad.numpy() for p in params if p.grad is not None]
+    equal = all(np.array_equal(a, c.grad.numpy()) for a, c in zip(summed, copies))
+    worst = max(float(np.abs(a - c.grad.numpy()).max() / np.abs(c.grad.numpy()).max())
+                for a, c in zip(summed, copies))
+    trainer.backbone_opt.clear_grad(set_to_zero=False)
+    trainer.head_opt.discard(trainer.head)
+    trainer.cfg["Optimizer"]["fused_head_update"] = True
+    flags = paddle.to_tensor([float(equal), float(extra.numpy()[0] == world)])
+    worst = paddle.to_tensor([worst], dtype="float32")
+    if world > 1:
+        all_reduce_(flags, "sum")
+        all_reduce_(worst, "max")
+    return np.concatenate([flags.numpy() / world, worst.numpy()])
+
+
 def gather_head(trainer, name):
     """A class-indexed array of the head (weight or optimizer state) from every rank, as
     stored (bfloat16: its bits as uint16)."""
@@ -126,10 +166,11 @@ def run(mode, data, out, dtype, resumes, config_backbone=False):
         weight = gather_head(trainer, "weight")
         velocity = gather_head(trainer, "weight.velocity")
         trainer.save()
+        overlap_equal = overlap_check(trainer, rank, world)
         skip_agreed = poisoned_step(trainer, rank, world)
         if rank == 0:
             np.savez(os.path.join(out, "result.npz"), head=weight, velocity=velocity,
-                     skip_agreed=skip_agreed,
+                     skip_agreed=skip_agreed, overlap_equal=overlap_equal,
                      **{f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
         return
     results = {}

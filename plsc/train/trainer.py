@@ -26,12 +26,11 @@ from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
 from .divergence import Diverged, NonFiniteSteps
+from .grad_sync import OverlappedSum
 from .logger import TrainLogger, visualdl_dir
 from .preemption import Preempted, RankLost, StopSignals, host_group, peer_failure
 
 __all__ = ["Trainer"]
-
-_BUCKET = 1 << 24  # elements per all-reduce of backbone gradients
 
 
 class _FromBatch:
@@ -47,31 +46,6 @@ class _FromBatch:
         for i, batch in enumerate(self.sampler):
             if i >= self.start:
                 yield batch
-
-
-def sum_gradients(params, group=None, extra=None):
-    """All-reduce (SUM) the gradients of `params` in a few flat buckets. `extra`, a float32
-    tensor of a few values, rides along in the last bucket; returns it summed."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if pd.group_rank_size(group)[1] == 1:
-        return extra
-    if extra is not None:
-        grads.append(extra)
-    bucket, size = [], 0
-    for g in grads + [None]:
-        if g is not None:
-            bucket.append(g)
-            size += g.size
-        if bucket and (g is None or size >= _BUCKET):
-            with paddle.no_grad():
-                flat = paddle.concat([b.reshape([-1]) for b in bucket])
-                pd.all_reduce_(flat, "sum", group)
-                offset = 0
-                for b in bucket:
-                    b.copy_(flat[offset:offset + b.size].reshape(b.shape), False)
-                    offset += b.size
-            bucket, size = [], 0
-    return extra
 
 
 def _closed_on_error(init):
@@ -152,6 +126,8 @@ class Trainer:
 
         self.lr = StepLR(self._lr_fn())
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
+        # The backbone's gradients are summed across ranks while the backward goes on.
+        self.gradient_sum = OverlappedSum(self.backbone.parameters())
         self.head_opt = build_head_optimizer(cfg, self.lr)
         self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
         self.nonfinite = NonFiniteSteps(g["max_nonfinite_steps"])
@@ -231,11 +207,13 @@ class Trainer:
 
     # ----------------------------------------------------------------- steps
     def forward_backward(self, images, labels, loss_factor=1.0):
-        """One micro-batch: forward, scaled backward; returns the (unscaled) loss."""
+        """One micro-batch, the last before `optimizer_step`: forward, scaled backward;
+        returns the (unscaled) loss."""
         return self.head.loss_value(self._forward_backward(images, labels, loss_factor))
 
-    def _forward_backward(self, images, labels, loss_factor):
-        """`forward_backward` with the loss left on the device (not read)."""
+    def _forward_backward(self, images, labels, loss_factor, last=True):
+        """`forward_backward` with the loss left on the device (not read). `last`: the step's
+        last micro-batch, whose backward all-reduces the backbone's gradients as it goes."""
         amp = self.cfg["AMP"]
         if images.dtype == paddle.uint8:  # the loader's raw HWC images
             images = self.dataset.transform.normalize(images)
@@ -244,6 +222,8 @@ class Trainer:
         if self.fused_head_update:  # the head's rows are updated inside the backward
             self.head.row_update = self.head_opt.fused_update(self.head)
         loss = self.head(emb, labels)
+        if last:
+            self.gradient_sum.arm()
         (loss * (self.scaler.scale * loss_factor)).backward()  # end_fused_step clears row_update
         return loss
 
@@ -261,8 +241,8 @@ class Trainer:
         # along in the backbone's all-reduce, so every rank takes the same decision.
         head_ok = (paddle.to_tensor(self.head_opt.fused_skipped == 0) if fused
                    else self.head_opt.all_gradients_finite(self.head))
-        head_bad = sum_gradients(params, extra=paddle.logical_not(head_ok).astype("float32")
-                                 .reshape([1]))
+        head_bad = self.gradient_sum.finish(extra=paddle.logical_not(head_ok).astype("float32")
+                                            .reshape([1]))
         finite = paddle.logical_and(finite_flag([p.grad for p in params if p.grad is not None]),
                                     head_bad.reshape([]) == 0)
         if loss is not None:  # the step's one device read
@@ -303,7 +283,8 @@ class Trainer:
         """One optimizer step over `micro_batches` [(images, labels), ...]; returns the mean loss."""
         checks = []  # the earlier micro-batches' losses and label checks, read with the last
         for i, (images, labels) in enumerate(micro_batches):
-            loss = self._forward_backward(images, labels, 1.0 / len(micro_batches))
+            loss = self._forward_backward(images, labels, 1.0 / len(micro_batches),
+                                          last=i + 1 == len(micro_batches))
             if i + 1 < len(micro_batches):
                 checks.append(self.head.loss_check(loss))
                 self.head_opt.stash(self.head)

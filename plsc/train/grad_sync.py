@@ -1,0 +1,134 @@
+"""Summing the backbone's gradients across ranks, during the backward or after it.
+
+`sum_gradients` all-reduces them after the backward in a few flat buckets. `OverlappedSum`
+starts those all-reduces during the backward: each parameter's hook (Paddle calls it once a
+backward, after the parameter's gradient is complete) counts it in, and a bucket (about 25 MB
+of gradients, filled in reverse parameter order, the order the backward completes them) is
+all-reduced without waiting as soon as all its gradients are there; `finish` sends the rest,
+waits for every bucket and writes the sums back. Each element is the same sum of the same
+values either way (the buckets only group elements), so on two ranks the results are equal
+bit for bit; on more ranks gloo's and NCCL's ring may add in another order where the bucket
+boundaries differ (float32 rounding).
+"""
+import functools
+
+import paddle
+import paddle.distributed as dist
+
+from .. import distributed as pd
+
+__all__ = ["BUCKET", "OVERLAP_BUCKET_BYTES", "OverlappedSum", "sum_gradients"]
+
+BUCKET = 1 << 24  # elements per all-reduce of `sum_gradients`
+OVERLAP_BUCKET_BYTES = 25 << 20  # gradient bytes per all-reduce of `OverlappedSum`
+
+
+def _reduce_flat(bucket, group, sync=True):
+    """Concatenate the tensors of `bucket` and all-reduce (SUM) them: (flat, task or None)."""
+    with paddle.no_grad():
+        flat = paddle.concat([b.reshape([-1]) for b in bucket])
+    if sync:
+        pd.all_reduce_(flat, "sum", group)
+        return flat, None
+    return flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+
+
+def _write_back(bucket, flat):
+    with paddle.no_grad():
+        offset = 0
+        for b in bucket:
+            b.copy_(flat[offset:offset + b.size].reshape(b.shape), False)
+            offset += b.size
+
+
+def sum_gradients(params, group=None, extra=None):
+    """All-reduce (SUM) the gradients of `params` in a few flat buckets. `extra`, a float32
+    tensor of a few values, rides along in the last bucket; returns it summed."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if pd.group_rank_size(group)[1] == 1:
+        return extra
+    if extra is not None:
+        grads.append(extra)
+    bucket, size = [], 0
+    for g in grads + [None]:
+        if g is not None:
+            bucket.append(g)
+            size += g.size
+        if bucket and (g is None or size >= BUCKET):
+            flat, _ = _reduce_flat(bucket, group)
+            _write_back(bucket, flat)
+            bucket, size = [], 0
+    return extra
+
+
+class OverlappedSum:
+    """`sum_gradients` started during the backward (see the module's docstring).
+
+    `arm()` before the backward whose gradients are to be summed (the last micro-batch's: the
+    hooks of earlier backwards do nothing); `finish(extra)` after it, instead of
+    `sum_gradients(params, group, extra)`. Without `arm`, `finish` sends every bucket then."""
+
+    def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES):
+        self.params = [p for p in params if not p.stop_gradient]
+        self.group = group
+        self.buckets, self._bucket_of = [], {}
+        size = bucket_bytes
+        for p in reversed(self.params):  # the backward completes the last layers first
+            nbytes = p.size * p.element_size()
+            if size + nbytes > bucket_bytes and self.buckets and self.buckets[-1]:
+                self.buckets.append([])
+                size = 0
+            if not self.buckets:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+            self._bucket_of[id(p)] = len(self.buckets) - 1
+        self._armed = False
+        self._ready = [0] * len(self.buckets)
+        self._sent = {}  # bucket -> (its gradients, flat, task)
+        if pd.group_rank_size(group)[1] > 1:
+            for p in self.params:
+                p._register_backward_hook(functools.partial(self._gradient_ready, id(p)))
+
+    def arm(self):
+        """The next backward's completed gradients are all-reduced as their buckets fill
+        (buckets an earlier armed backward sent are waited for and dropped)."""
+        for _, _, task in self._sent.values():
+            task.wait()
+        self._armed = True
+        self._ready = [0] * len(self.buckets)
+        self._sent = {}
+
+    def _gradient_ready(self, key, *args):
+        if not self._armed:
+            return
+        b = self._bucket_of[key]
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b]):
+            self._send(b)
+
+    def _send(self, b, extra=None):
+        grads = [p.grad for p in self.buckets[b] if p.grad is not None] if b is not None else []
+        if extra is not None:
+            grads.append(extra)
+        if grads:
+            flat, task = _reduce_flat(grads, self.group, sync=False)
+            self._sent[b] = (grads, flat, task)
+
+    def finish(self, extra=None):
+        """Send the buckets not sent yet (gradients the backward did not reach, or all of
+        them without `arm`) and `extra` (a float32 tensor of a few values, in a bucket of its
+        own), wait for all, write the sums into the gradients; returns `extra` summed."""
+        self._armed = False
+        if pd.group_rank_size(self.group)[1] == 1:
+            return extra
+        for b in range(len(self.buckets)):
+            if b not in self._sent:
+                self._send(b)
+        self._send(None, extra)
+        for grads, flat, task in self._sent.values():
+            task.wait()
+            _write_back(grads, flat)
+        self._sent = {}
+        return extra
