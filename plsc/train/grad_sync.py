@@ -72,13 +72,10 @@ class OverlappedSum:
         self.params = [p for p in params if not p.stop_gradient]
         self.group = group
         self.buckets, self._bucket_of = [], {}
-        size = bucket_bytes
+        size = 0
         for p in reversed(self.params):  # the backward completes the last layers first
             nbytes = p.size * p.element_size()
-            if size + nbytes > bucket_bytes and self.buckets and self.buckets[-1]:
-                self.buckets.append([])
-                size = 0
-            if not self.buckets:
+            if not self.buckets or (self.buckets[-1] and size + nbytes > bucket_bytes):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
