@@ -6,6 +6,10 @@ all-reduce (MAX) a two-element flag, so all of them learn of a signal that reach
 and of a rank that could not load its batch, and stop at the same step. The flag lives on the
 host and goes over a gloo group (`host_group`; on GPUs one beside NCCL's), so the agreement
 reads no device tensor: a step's only device read is the trainer's loss-and-finite read.
+The two cannot be one collective: a signal after step k must stop every rank at step k with
+step k's state, so it is agreed after step k ends and before step k+1's forward (which
+changes state for good: the fused head update, BatchNorm's statistics, the sampler's step),
+while step k's finite check must be read before step k's update.
 On a signal the trainer writes a checkpoint and raises `Preempted`; `tools/train.py` exits
 with `PREEMPTED_EXIT_CODE`.
 On a data error the failing rank raises its `DataError` and the others `PeerDataError` (exit
