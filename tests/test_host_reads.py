@@ -8,7 +8,6 @@ flag, a CPU tensor all-reduced over a gloo group, `preemption.host_group`), and 
 the numpy kernels' own views (`plsc/models/prelu.py`'s fast path runs only where
 `cpu_kernels.cpu_set` holds, never on a device).
 """
-import os
 
 import paddle
 import pytest
