@@ -1,5 +1,6 @@
 """The buckets of `OverlappedSum` (its sums on real ranks: test_engine_distributed.py)."""
 import paddle
+import pytest
 
 from plsc.train.grad_sync import OverlappedSum
 
@@ -23,3 +24,23 @@ def test_buckets_follow_the_backward_and_the_byte_budget():
     summed.arm()
     extra = paddle.ones([1])
     assert summed.finish(extra=extra) is extra  # one process: nothing to sum
+
+
+def test_an_all_reduce_failing_in_the_backward_is_raised_by_finish(monkeypatch):
+    """Paddle's backward turns an exception in a hook into a SystemError without its message;
+    a lost rank's error (which the trainer reports as RankLost) must reach `finish` intact."""
+    from plsc.train import grad_sync
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:576] Read error [127.0.0.1]:30631: "
+                        "Connection reset by peer")
+
+    def fail(*args, **kwargs):
+        raise lost
+    monkeypatch.setattr(grad_sync.pd, "group_rank_size", lambda group=None: (0, 2))
+    monkeypatch.setattr(grad_sync, "_reduce_flat", fail)
+    layer = paddle.nn.Linear(3, 2)
+    summed = OverlappedSum(layer.parameters())
+    summed.arm()
+    layer(paddle.rand([4, 3])).sum().backward()  # the hooks' all-reduce fails: kept, not raised
+    with pytest.raises(RuntimeError) as info:
+        summed.finish()
+    assert info.value is lost

@@ -84,6 +84,7 @@ class OverlappedSum:
         self._armed = False
         self._ready = [0] * len(self.buckets)
         self._sent = {}  # bucket -> (its gradients, flat, task)
+        self._error = None  # what a hook's all-reduce raised (e.g. a lost rank), for `finish`
         if pd.group_rank_size(group)[1] > 1:
             for p in self.params:
                 p._register_backward_hook(functools.partial(self._gradient_ready, id(p)))
@@ -96,14 +97,18 @@ class OverlappedSum:
         self._armed = True
         self._ready = [0] * len(self.buckets)
         self._sent = {}
+        self._error = None
 
     def _gradient_ready(self, key, *args):
-        if not self._armed:
+        if not self._armed or self._error is not None:
             return
         b = self._bucket_of[key]
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
-            self._send(b)
+            try:
+                self._send(b)
+            except Exception as err:  # noqa: BLE001 -- raised by `finish`: Paddle's backward
+                self._error = err  # turns an error in a hook into a SystemError without it
 
     def _send(self, b, extra=None):
         grads = [p.grad for p in self.buckets[b] if p.grad is not None] if b is not None else []
@@ -116,8 +121,12 @@ class OverlappedSum:
     def finish(self, extra=None):
         """Send the buckets not sent yet (gradients the backward did not reach, or all of
         them without `arm`) and `extra` (a float32 tensor of a few values, in a bucket of its
-        own), wait for all, write the sums into the gradients; returns `extra` summed."""
+        own), wait for all, write the sums into the gradients; returns `extra` summed. An
+        error of an all-reduce started during the backward (a lost rank) is raised here."""
         self._armed = False
+        if self._error is not None:
+            error, self._error, self._sent = self._error, None, {}
+            raise error
         if pd.group_rank_size(self.group)[1] == 1:
             return extra
         for b in range(len(self.buckets)):
