@@ -12,7 +12,8 @@ from plsc.loss import CosFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
 from plsc.optim.rounding import uniform_noise
-from plsc.quantized import Int8Rows, dequantize, quantize, rows_f32, storage_name
+from plsc.quantized import Int8Rows, dequantize, quantize
+from plsc.storage import name as storage_name, read as rows_f32
 from plsc.nn.parallel_softmax import parallel_softmax_cross_entropy
 
 

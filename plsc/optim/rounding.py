@@ -35,7 +35,7 @@ import paddle
 
 from ..numerics import cast_nearest, dtype_name
 
-__all__ = ["round_to", "uniform_noise"]
+__all__ = ["round_to", "uniform_noise", "StochasticBits"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
     raise ImportError("plsc.optim.rounding assumes a little-endian host")
@@ -171,3 +171,19 @@ def uniform_noise(rows, m, seed=0, step=0, rank=0, stream=0, place=None):
     key = _key(seed, stream, step, rank)
     bits = _random_bits(rows, m, key, 23, place, 0, 0x3F800000)
     return bits.view("float32").scale_(1.0, bias=-1.0)
+
+
+class StochasticBits:
+    """The random bits of one array's stochastic writes in one step, as `plsc.storage.put`
+    asks for them: `round` (16 bits) and `noise` (8 bits) for the given global rows."""
+
+    def __init__(self, seed, stream, step, rank):
+        self.seed, self.stream, self.step, self.rank = seed, stream, step, rank
+
+    def round(self, values, dtype, rows):
+        return round_to(values, dtype, "stochastic", seed=self.seed, step=self.step,
+                        rank=self.rank, rows=rows, stream=self.stream)
+
+    def noise(self, rows, m):
+        return uniform_noise(rows, m, seed=self.seed, step=self.step, rank=self.rank,
+                             stream=self.stream)
