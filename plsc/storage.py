@@ -75,8 +75,10 @@ def take(t, index):
 
 
 def gather_rows(t, index):
-    """Rows `index` of the tensor `t`, in `t`'s dtype (Paddle 3.3 has no float16 gather on the
-    CPU: 16-bit rows move as int16)."""
+    """Rows `index` of the tensor `t`, in `t`'s dtype: 16-bit rows move as int16 on the CPU
+    set (its numpy kernel) and for float16 on the CPU (Paddle 3.3 has no CPU float16 gather)."""
+    if t.dtype == paddle.bfloat16 and not cpu_set(t):
+        return paddle.gather(t, index)
     if t.dtype in (paddle.bfloat16, paddle.float16):
         return take_rows(t.view("int16"), index).view(t.dtype)
     return take_rows(t, index)
