@@ -39,7 +39,7 @@ import paddle
 from ..cpu_kernels import cpu_set
 from ..numerics import cast_nearest, dtype_name
 
-__all__ = ["round_to", "uniform_noise", "StochasticBits"]
+__all__ = ["round_to", "uniform_noise", "StochasticBits", "BitsBatch"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
     raise ImportError("plsc.optim.rounding assumes a little-endian host")
@@ -230,17 +230,85 @@ def uniform_noise(rows, m, seed=0, step=0, rank=0, stream=0, place=None):
     return bits.view("float32").scale_(1.0, bias=-1.0)
 
 
+_SPECS = {"bfloat16": (16, 0, 0), "float16": (13, 10, 0x3F800000)}  # (bits, shift, base)
+_NOISE = (23, 0, 0x3F800000)  # 8-bit storage's uniform noise
+
+
 class StochasticBits:
     """The random bits of one array's stochastic writes in one step, as `plsc.storage.put`
-    asks for them: `round` (16 bits) and `noise` (8 bits) for the given global rows."""
+    asks for them: `round` (16 bits) and `noise` (8 bits) for the given global rows. With a
+    `BitsBatch` that holds this array's stream (the device set), its bits come from the
+    batch; they are the same bits."""
 
-    def __init__(self, seed, stream, step, rank):
+    def __init__(self, seed, stream, step, rank, batch=None):
         self.seed, self.stream, self.step, self.rank = seed, stream, step, rank
+        self.batch = batch
+
+    def _batched(self, rows, m):
+        b = self.batch
+        if b is None or self.stream not in b.streams or rows is not b.rows or m != b.m:
+            return None
+        return b.bits(self.stream)
 
     def round(self, values, dtype, rows):
-        return round_to(values, dtype, "stochastic", seed=self.seed, step=self.step,
-                        rank=self.rank, rows=rows, stream=self.stream)
+        bits = self._batched(rows, values.size // max(1, values.shape[0]))
+        if bits is None or values.ndim != 2:
+            return round_to(values, dtype, "stochastic", seed=self.seed, step=self.step,
+                            rank=self.rank, rows=rows, stream=self.stream)
+        if dtype_name(dtype) == "bfloat16":
+            return _bfloat16_stochastic_device(values, bits)
+        return _float16_stochastic(values, bits)
 
     def noise(self, rows, m):
-        return uniform_noise(rows, m, seed=self.seed, step=self.step, rank=self.rank,
-                             stream=self.stream)
+        bits = self._batched(rows, m)
+        if bits is None:
+            return uniform_noise(rows, m, seed=self.seed, step=self.step, rank=self.rank,
+                                 stream=self.stream)
+        return bits.view("float32").scale_(1.0, bias=-1.0)
+
+
+class BitsBatch:
+    """The device set's random bits for several arrays written at the same rows in one step
+    (an optimizer update: the weight and its state), hashed together in one pass the first
+    time one is asked for: `streams` maps each array's stream to its storage name
+    ("bfloat16", "float16", or an 8-bit map: noise). The bits are `round_to`'s and
+    `uniform_noise`'s for the same (seed, stream, step, rank, row, column)."""
+
+    def __init__(self, seed, step, rank, rows, m, streams):
+        self.seed, self.step, self.rank, self.rows, self.m = seed, step, rank, rows, m
+        self.streams = dict(streams)
+        self._bits = None
+
+    def bits(self, stream):
+        if self._bits is None:
+            self._bits = self._compute()
+        return self._bits[stream]
+
+    def _compute(self):
+        rows, m = self.rows, self.m
+        place, r = rows.place, rows.shape[0]
+        c = _constants(place)
+        streams = list(self.streams)
+        keys = paddle.stack([_key_tensor(_key(self.seed, s, self.step, self.rank), place)
+                             for s in streams]).reshape([len(streams), 1])
+        rows = rows if rows.dtype == paddle.int64 else rows.astype("int64")
+        z = paddle.concat([rows * c["golden"], _column_terms(m, place)]) + keys  # [K, r + m]
+        h = _mix(z, c)
+        specs = [_SPECS.get(self.streams[s], _NOISE) for s in streams]
+        if len(set(specs)) == 1:  # one extraction for all: [K, r, m]
+            groups = [(list(range(len(streams))), specs[0])]
+        else:
+            groups = [([k], spec) for k, spec in enumerate(specs)]
+        out = {}
+        for ks, (bits, shift, base) in groups:
+            part = h if len(ks) == len(streams) else h[ks[0]:ks[0] + 1]
+            part = paddle.bitwise_right_shift(part, _const(64 - bits, place), is_arithmetic=False)
+            if shift:
+                part = paddle.bitwise_left_shift(part, _const(shift, place))
+            part = part.astype("int32")
+            column = part[:, r:] if not base else \
+                paddle.bitwise_or(part[:, r:], _const(base, place, "int32"))
+            both = paddle.bitwise_xor(part[:, :r].unsqueeze(2), column.unsqueeze(1))
+            for j, k in enumerate(ks):
+                out[streams[k]] = both[j]
+        return out

@@ -36,7 +36,7 @@ import paddle
 from .. import storage
 from ..cpu_kernels import all_finite, cpu_set, finite_flag
 from ..numerics import sqrt_exact, to_float32
-from .rounding import StochasticBits
+from .rounding import BitsBatch, StochasticBits
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
@@ -167,7 +167,8 @@ class SparseRowOptimizer:
                 storage.slab_rows(grad.size // max(1, grad.shape[0]), grad)
             for start in range(lo, hi, step):
                 stop = min(start + step, hi)
-                rows = _Rows(self, name, rank, index, start, stop, keep)
+                rows = _Rows(self, name, rank, index, start, stop, keep,
+                             dict(state, **{"": param}))
                 part = grad if (start, stop) == (lo, hi) else grad[start - lo:stop - lo]
                 self._update(param, state, rows, part, lr)
 
@@ -297,10 +298,21 @@ class _Rows:
     back in the array's storage (`plsc.storage`), rounded with bits of (seed, stream of the
     array, step, rank, row); with `keep` (a 0-d bool tensor) true, as they were read."""
 
-    def __init__(self, opt, name, rank, index, start, stop, keep=None):
+    def __init__(self, opt, name, rank, index, start, stop, keep=None, arrays=None):
         self.opt, self.name, self.rank, self.keep = opt, name, rank, keep
         self.index = index[start:stop] if index is not None else None
         self.start, self.stop = start, stop
+        self.batch = None
+        if arrays and opt.rounding == "stochastic" and self.index is not None \
+                and not cpu_set(self.index):
+            # The device set hashes the random bits of every rounded array of these rows
+            # at once (the same bits as one array at a time).
+            streams = {_stream(name, key): storage.name(t) for key, t in arrays.items()
+                       if not storage.is_float32(t) and len(t.shape) > 1}
+            if len(streams) > 1:
+                width = math.prod(arrays[""].shape[1:])
+                self.batch = BitsBatch(opt.seed, opt.step_count, rank, self.index, width,
+                                       streams)
 
     def read(self, t):
         return storage.read(t, self.start, self.stop) if self.index is None \
@@ -314,7 +326,7 @@ class _Rows:
             self.opt._rounded = True
             if self.opt.rounding == "stochastic":
                 bits = StochasticBits(self.opt.seed, _stream(self.name, key),
-                                      self.opt.step_count, self.rank)
+                                      self.opt.step_count, self.rank, self.batch)
         storage.put(t, self.start if self.index is None else self.index, value, bits,
                     self.keep)
 
@@ -374,9 +386,11 @@ class SparseAdamW(SparseRowOptimizer):
         rows.write(state["moment1"], m, "moment1")
         rows.write(state["moment2"], v, "moment2")
         rows.write(state["steps"], t, "steps")
-        shape = [-1] + [1] * (len(w.shape) - 1)
-        c1 = _bias_correction(self.beta1, t, w.place).reshape(shape)
-        c2 = _bias_correction(self.beta2, t, w.place).reshape(shape)
+        both = _bias_corrections(self.beta1, self.beta2, t, w.place)  # [r, 2]
+        c1, c2 = (both[:, 0], both[:, 1]) if len(w.shape) == 1 else (both[:, 0:1], both[:, 1:2])
+        if len(w.shape) > 2:
+            shape = [-1] + [1] * (len(w.shape) - 1)
+            c1, c2 = c1.reshape(shape), c2.reshape(shape)
         w = w * (1.0 - lr * self.weight_decay)
         w = w - lr * (m / c1) / (sqrt_exact(v / c2) + self.epsilon)
         rows.write(param, w)
@@ -385,16 +399,19 @@ class SparseAdamW(SparseRowOptimizer):
 _CORRECTIONS = {}
 
 
-def _bias_correction(beta, steps, place):
-    """float32 `1 - beta**t` for each row's step count t, looked up in a table computed in
-    float64 on the host (1 - 0.999**t loses 4 digits in float32; and a vectorised pow need
-    not round alike for every chunk length, which the fused update's bit-for-bit contract
-    needs). From the t where beta**t < 2^-25 on the value is 1.0 in float32; the table
-    stops there."""
-    key = (beta, str(place))
+def _bias_corrections(beta1, beta2, steps, place):
+    """float32 `[1 - beta1**t, 1 - beta2**t]` for each row's step count t (`[r, 2]`), looked
+    up in one table computed in float64 on the host (1 - 0.999**t loses 4 digits in float32;
+    and a vectorised pow need not round alike for every chunk length, which the fused update's
+    bit-for-bit contract needs). From the t where beta**t < 2^-25 on the value is 1.0 in
+    float32: each column holds its value there from then on, and the table stops at the later
+    of the two."""
+    key = (beta1, beta2, str(place))
     if key not in _CORRECTIONS:
-        cap = 1 if beta <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(beta))) + 1
-        table = [1.0 - beta ** t for t in range(cap + 1)]
+        caps = [1 if b <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(b))) + 1
+                for b in (beta1, beta2)]
+        table = [[1.0 - b ** min(t, cap) for b, cap in zip((beta1, beta2), caps)]
+                 for t in range(max(caps) + 1)]
         _CORRECTIONS[key] = paddle.to_tensor(table, dtype="float64", place=place) \
             .astype("float32")
     table = _CORRECTIONS[key]
