@@ -52,7 +52,7 @@ from plsc.loss import MARGINS
 from plsc.nn import PartialFC
 from plsc.nn.sampling import sample_centres
 from plsc.optim import SparseAdamW, SparseMomentum
-from plsc.quantized import storage_name
+from plsc.storage import name as storage_name
 
 
 class MemoryMeter:

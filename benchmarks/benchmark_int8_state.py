@@ -23,7 +23,7 @@ import paddle
 from plsc.loss import CosFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
-from plsc.quantized import rows_f32
+from plsc.storage import read as rows_f32
 
 CHOICES = {
     "adamw": [("float32", None), ("int8", {"moment1": "int8", "moment2": "int8"}),

@@ -14,6 +14,8 @@ import re
 
 import yaml
 
+from .dtypes import HEAD_DTYPES
+
 __all__ = ["ConfigError", "SCHEMA", "load_config", "parse_override", "apply_overrides",
            "validate", "check_key", "default_config", "dump_config"]
 
@@ -204,7 +206,7 @@ SCHEMA = {
         "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16, "
                           "float16 or int8 (a byte a value, a scale a row); GEMMs and softmax "
                           "statistics stay float32",
-                          choices=("float32", "bfloat16", "float16", "int8")),
+                          choices=HEAD_DTYPES),
     },
     "Data": {
         "dataset": _k(str, "recordio", "recordio (train.rec/.idx), folder, list or synthetic",
@@ -232,7 +234,7 @@ SCHEMA = {
         "accumulate_steps": _k(int, 1, "micro-batches per optimizer step", low=1),
         "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
                                "the class centres (Loss.param_dtype)", nullable=True,
-                               choices=("float32", "bfloat16", "float16", "int8")),
+                               choices=HEAD_DTYPES),
         "head_write_rounding": _k(str, "stochastic", "how 16- and 8-bit head arrays are written: "
                                   "stochastic (unbiased) or nearest",
                                   choices=("stochastic", "nearest")),

@@ -11,12 +11,11 @@ is correctly rounded, and rounding it to float32 gives the correctly rounded flo
 """
 import paddle
 
-from .cpu_kernels import take_rows
+from .dtypes import FLOAT_DTYPES as STORAGE_DTYPES  # the float storage dtypes
 
 __all__ = ["STORAGE_DTYPES", "SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
-           "gather_rows", "sqrt_exact"]
+           "sqrt_exact"]
 
-STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 SLAB_BYTES = 32 << 20  # bytes a slab-wise pass handles at a time: 16-bit rows upcast to float32
 # (where not per block), head rows streamed to or from a checkpoint, centres read by cleaning
 
@@ -45,14 +44,6 @@ def cast_nearest(x, dtype):
         # it stays below 2^-25, which rounds to 0 either way.
         x = (x + 2.0 ** -52) - 2.0 ** -52
     return x.astype(name)
-
-
-def gather_rows(t, index):
-    """Rows `index` of `t`, in `t`'s dtype (Paddle 3.3 has no float16 gather on CPU: 16-bit
-    rows move as int16)."""
-    if t.dtype in (paddle.bfloat16, paddle.float16):
-        return take_rows(t.view("int16"), index).view(t.dtype)
-    return take_rows(t, index)
 
 
 def sqrt_exact(x):

@@ -20,8 +20,8 @@ Maps (the storage dtype names, as checkpoints' `head_dtypes` spell them):
 Writing (`quantize`) rounds to nearest, or with `noise` (uniform in [0, 1), one per value:
 `plsc.optim.rounding.uniform_noise`) stochastically: the upper neighbour `hi` of y = x/scale
 with probability (y − lo) / (hi − lo), so the stored value equals x in expectation. Rows with
-a NaN or an infinity get a NaN scale (the row reads back as NaN). Reading (`rows_f32`,
-`take_f32`) gives float32; every head GEMM and update reads through them, whatever the
+a NaN or an infinity get a NaN scale (the row reads back as NaN). Reading (`rows`,
+`take`) gives float32; every head GEMM and update reads through `plsc.storage`, whatever the
 storage dtype (float32 is returned as is, 16 bits upcast exactly, 8 bits dequantised).
 
 On the CPU both directions run as numpy on the tensors' memory, a slab of rows per kernel
@@ -32,13 +32,10 @@ same bits (tested), 2.5-17 times faster than Paddle 3.3's CPU kernels on a [1024
 import numpy as np
 import paddle
 
-from .cpu_kernels import all_finite, applies, cpu_set, as_numpy, run_rows, take_rows
-from .numerics import SLAB_BYTES, STORAGE_DTYPES, gather_rows, to_float32
+from .cpu_kernels import applies, cpu_set, as_numpy, run_rows, take_rows
+from .dtypes import INT8_MAP_NAMES
 
-__all__ = ["HEAD_DTYPES", "INT8_MAPS", "Int8Rows", "quantize", "dequantize", "rows_f32",
-           "take_f32", "storage_name", "record_dtype", "all_rows_finite"]
-
-HEAD_DTYPES = STORAGE_DTYPES + ("int8",)  # what a head array or its state may be stored as
+__all__ = ["INT8_MAPS", "Int8Rows", "quantize", "dequantize", "record_dtype"]
 
 _LOG_STEPS = 8  # codes an octave of the logarithmic maps
 _SLAB_VALUES = 1 << 16  # values of a slab of rows on the CPU path
@@ -73,18 +70,12 @@ class _Map:
 INT8_MAPS = {"int8": _Map("int8", None, -127, "int8"),
              "int8_log": _Map("int8_log", *_log_table(True), "int8"),
              "uint8_log": _Map("uint8_log", *_log_table(False), "uint8")}
+assert tuple(INT8_MAPS) == INT8_MAP_NAMES
 
 
 def record_dtype(name, width):
     """The numpy dtype of one stored row in a checkpoint: its scale and its `width` codes."""
     return np.dtype([("scale", "<f4"), ("codes", INT8_MAPS[name].code_dtype, (int(width),))])
-
-
-def storage_name(t):
-    """'float32', 'bfloat16', 'float16', 'int8', 'int8_log' or 'uint8_log' of a head array."""
-    if isinstance(t, Int8Rows):
-        return t.map.name
-    return str(t.dtype).replace("paddle.", "")
 
 
 def dequantize(codes, scale, name="int8"):
@@ -283,10 +274,16 @@ class Int8Rows:
         values = values if isinstance(values, paddle.Tensor) else paddle.to_tensor(values)
         self.write(0, values.astype("float32").reshape(self.shape))
 
-    def write(self, where, values, noise=None):
+    def write(self, where, values, noise=None, keep=None):
         """Store float32 `values` in rows `where` (a slice start, or an int64 index `[k]`),
-        each row with its new scale; rounded to nearest, or stochastically with `noise`."""
+        each row with its new scale; rounded to nearest, or stochastically with `noise`.
+        `keep`: a 0-d bool tensor; where true the rows keep their codes and scales."""
         codes, scale = quantize(values, self.map.name, noise)
+        if keep is not None:
+            old_codes, old_scale = self._stored(where, codes.shape[0])
+            codes = paddle.where(keep, old_codes.astype("int32"), codes.astype("int32")) \
+                .astype(self.map.code_dtype)  # no 8-bit `where` on Paddle 3.3's CPU
+            scale = paddle.where(keep, old_scale, scale)
         if isinstance(where, int):
             self.codes[where:where + codes.shape[0]] = codes
             self.scale[where:where + codes.shape[0]] = scale
@@ -296,6 +293,13 @@ class Int8Rows:
                 self.scale.scatter_(where, scale, overwrite=True)
             else:
                 self.scale.index_put_((where,), scale)
+
+
+    def _stored(self, where, count):
+        """The codes and scales rows `where` hold now."""
+        if isinstance(where, int):
+            return self.codes[where:where + count], self.scale[where:where + count]
+        return _take(self.codes, where), paddle.gather(self.scale, where)
 
 
 def _take(codes, index):
@@ -313,38 +317,3 @@ def _put(codes, index, values):
         codes.view("int32").scatter_(index, values.view("int32"), overwrite=True)
     else:
         codes.index_put_((index,), values)
-
-
-def rows_f32(t, start=0, stop=None):
-    """Rows [start, stop) of a head array of any storage dtype as float32 (a view when it is
-    float32)."""
-    if isinstance(t, Int8Rows):
-        return t.rows(start, stop)
-    return to_float32(t[start:stop] if (start, stop) != (0, None) else t)
-
-
-def take_f32(t, index):
-    """Rows `index` of a head array of any storage dtype as float32."""
-    if isinstance(t, Int8Rows):
-        return t.take(index)
-    return to_float32(gather_rows(t, index))
-
-
-def all_rows_finite(arrays):
-    """Whether every value of `arrays` (tensors of any dtype, or `Int8Rows`) is finite, as a
-    Python bool: floats of any width are read a slab of rows at a time as float32, 8-bit rows
-    by their scales; integer arrays are finite."""
-    for t in arrays:
-        if isinstance(t, Int8Rows):
-            t = t.scale
-        if not paddle.is_floating_point(t) or t.size == 0:
-            continue
-        if t.ndim == 0 or t.dtype == paddle.float32:
-            if not all_finite(t):
-                return False
-            continue
-        step = max(1, SLAB_BYTES // (4 * max(1, t.size // t.shape[0])))
-        for lo in range(0, t.shape[0], step):
-            if not all_finite(to_float32(t[lo:lo + step])):
-                return False
-    return True

@@ -310,7 +310,7 @@ def rounded(a, dtype):
 
 
 def storage_of(t):
-    from plsc.quantized import storage_name
+    from plsc.storage import name as storage_name
     return storage_name(t)
 
 

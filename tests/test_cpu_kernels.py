@@ -224,7 +224,7 @@ def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
 def test_take_rows_against_numpy_indexing(path, threads):
     """Rows picked by index (repeats, any order), float32 and 16-bit bits, into a given
     output or a new one; an index out of range is an error, not a clipped row."""
-    from plsc.numerics import gather_rows
+    from plsc.storage import gather_rows
     rng = np.random.default_rng(4)
     src = rng.standard_normal([3000, 24]).astype(np.float32)
     index = rng.integers(0, 3000, 2500)

@@ -39,7 +39,7 @@ def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, o
     at step 3 gives the uninterrupted run's losses, weights, every optimizer state array
     (8 bits: codes and scales) and step count bit for bit (the rounding bits depend on the
     restored step count); `k` sub-centres a class."""
-    from plsc.quantized import storage_name
+    from plsc.storage import name as storage_name
     sections = dict(Loss={"sample_ratio": ratio, "param_dtype": dtype, "sub_centers": k},
                     Optimizer={"name": opt, **({"lr": 0.01} if opt == "adamw" else {})})
     full = Trainer(config(data_root, str(tmp_path / "a"), **sections), backbone=make_backbone(0))
@@ -246,7 +246,8 @@ def test_float32_checkpoint_resumes_as_int8_and_back(tmp_path, data_root):
     the momentum are the float32 values quantised to nearest (plsc.quantized's rounding, whose
     oracle tests are tests/test_int8.py's), and training goes on; that run's step-6 checkpoint
     resumed as float32 holds the int8 rows' values exactly."""
-    from plsc.quantized import Int8Rows, quantize, rows_f32
+    from plsc.quantized import Int8Rows, quantize
+    from plsc.storage import read as rows_f32
     full = Trainer(config(data_root, str(tmp_path / "f32")), backbone=make_backbone(0))
     full.train()
     step3 = os.path.join(str(tmp_path / "f32"), "checkpoints", "step_00000003")

@@ -25,6 +25,7 @@ import sys
 from plsc.checkpoint import (CheckpointDamaged, convert_checkpoint, export_classifier,
                              import_classifier, read_meta, reshard_checkpoint, verify_checkpoint)
 from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, lock_folder, run_folder_of
+from plsc.dtypes import FLOAT_DTYPES
 
 
 def main(argv=None):
@@ -41,7 +42,7 @@ def main(argv=None):
                    help="classifier [C, d] ([C, K, d] with K sub-centres) to put in (any float "
                    "dtype; stored in the checkpoint's)")
     p.add_argument("--import-bias", metavar="NPY", help="bias [C] to put in (softmax heads)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", choices=FLOAT_DTYPES,
                    help="store every head array (weight, bias, optimizer state) in this dtype")
     p.add_argument("--output", help="new checkpoint folder (for --world-size, --import, --dtype)")
     p.add_argument("--verify", choices=("full", "size", "none"), default="full",

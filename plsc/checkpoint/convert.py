@@ -12,6 +12,7 @@ from ..distributed import ClassPartition
 from ..fileio import commit_folder, copy_file, temp_folder
 from ..numerics import STORAGE_DTYPES, cast_nearest
 from ..quantized import INT8_MAPS, quantize
+from ..storage import STORED_DTYPES
 from .head_arrays import (NPY_DTYPES, head_dtype, load_head_rows, records_of, rows_as_float32,
                           slab_rows, stream_npy)
 from .layout import (BACKBONE, META, TRAINER, head_dir, head_file, is_state_of, read_meta,
@@ -108,7 +109,7 @@ def convert_checkpoint(src, dst, dtype):
                          f"got {dtype!r}")
     meta = read_meta(src)
     old = {name: head_dtype(src, name, meta) for name in meta["head_arrays"]}
-    convertible = STORAGE_DTYPES + tuple(INT8_MAPS)
+    convertible = STORED_DTYPES
     new = {name: dtype if d in convertible and not name.endswith(".steps") else d
            for name, d in old.items()}
     out = dict(meta, head_dtypes=new)

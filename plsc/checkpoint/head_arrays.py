@@ -23,8 +23,9 @@ import paddle
 
 from ..distributed import ClassPartition
 from ..fileio import AtomicWriter
-from ..numerics import SLAB_BYTES, STORAGE_DTYPES, cast_nearest
-from ..quantized import INT8_MAPS, Int8Rows, dequantize, record_dtype, storage_name
+from .. import storage
+from ..numerics import SLAB_BYTES, cast_nearest
+from ..quantized import INT8_MAPS, dequantize, record_dtype
 from .errors import CheckpointDamaged
 from .layout import head_file, read_meta
 from .manifest import npy_problem
@@ -50,7 +51,7 @@ def array_dtype(array):
     """"float32", "bfloat16", "int8", ... of a Paddle tensor, `Int8Rows` or numpy array."""
     if isinstance(array, np.ndarray):
         return array.dtype.name
-    return storage_name(array)
+    return storage.name(array)
 
 
 def slab_rows(row_shape, itemsize=4):
@@ -79,10 +80,9 @@ def stream_npy(path, dtype, shape, slabs):
 def head_array_bytes(array):
     """Bytes the `.npy` of head array `array` (Paddle tensor, `Int8Rows` or numpy) takes,
     header aside."""
-    if isinstance(array, Int8Rows):
-        return array.nbytes
-    return int(np.prod(array.shape, dtype=np.int64)) * int(
-        array.dtype.itemsize if isinstance(array, np.ndarray) else array.element_size())
+    if isinstance(array, np.ndarray):
+        return int(array.nbytes)
+    return storage.nbytes(array)
 
 
 def save_rows_npy(path, rows):
@@ -98,9 +98,9 @@ def write_rows_npy(path, rows):
     """`save_rows_npy` returning (dtype name, the file's `FileRecord`)."""
     if isinstance(rows, np.ndarray):
         return rows.dtype.name, _save_npy(path, rows)
-    if isinstance(rows, Int8Rows):
-        return rows.map.name, _write_8bit(path, rows)
     name = array_dtype(rows)
+    if name in INT8_MAPS:  # records of (scale, codes)
+        return name, _write_8bit(path, rows)
     if name not in NPY_DTYPES:
         raise TypeError(f"cannot save {path}: head arrays of dtype {rows.dtype} are not supported "
                         f"(expected one of {', '.join(NPY_DTYPES)})")
@@ -178,13 +178,13 @@ def _to_tensor(rows, stored, dtype):
 def _write_into(target, offset, rows, stored):
     """Host rows stored as `stored` written into rows offset … of head array `target`."""
     n = rows.shape[0]
-    if not isinstance(target, Int8Rows):
-        target[offset:offset + n] = _to_tensor(rows, stored, storage_name(target))
-    elif stored == target.map.name:  # the stored codes and scales, as they are
+    if stored != storage.name(target):  # its float32 values, rounded to nearest
+        storage.put(target, offset, _values_f32(rows, stored))
+    elif stored in INT8_MAPS:  # the stored codes and scales, as they are
         target.codes[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["codes"]))
         target.scale[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["scale"]))
-    else:  # another dtype: its float32 values, rounded to nearest
-        target.write(offset, _values_f32(rows, stored))
+    else:  # the stored bits, as they are
+        target[offset:offset + n] = _to_tensor(rows, stored, stored)
 
 
 def _map_npy(file):
@@ -285,7 +285,7 @@ def load_head_rows_into(path, name, class_start, tensor, meta=None):
     is quantised to nearest; 8-bit rows go into a float tensor as their float32 values."""
     meta = read_meta(path) if meta is None else meta
     stored, dtype = head_dtype(path, name, meta), array_dtype(tensor)
-    known = STORAGE_DTYPES + tuple(INT8_MAPS)
+    known = storage.STORED_DTYPES
     if stored != dtype and not (stored in known and dtype in known):
         raise TypeError(f"cannot load head array {name!r} of checkpoint {path} (stored as "
                         f"{stored}) into a {dtype} tensor; expected one of {', '.join(known)}")

@@ -55,7 +55,8 @@ from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_,
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from ..numerics import SLAB_BYTES, sqrt_exact
-from ..quantized import Int8Rows, rows_f32 as _rows_f32
+from ..quantized import Int8Rows
+from ..storage import read as _rows_f32
 
 __all__ = ["parallel_softmax_cross_entropy"]
 

@@ -8,7 +8,8 @@ from paddle import nn
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import take_rows
 from ..numerics import SLAB_BYTES, cast_nearest
-from ..quantized import HEAD_DTYPES, Int8Rows, take_f32
+from ..quantized import Int8Rows
+from ..storage import HEAD_DTYPES, take as take_f32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres

@@ -24,6 +24,9 @@ Method.
   stream, step and rank): uniform and pairwise independent (not 4-wise: the bits
   of a 2x2 block XOR to 0), so rounding errors are uncorrelated, at the cost of
   one broadcast per block.
+- The device set (`plsc.cpu_kernels.cpu_set`) computes the same bits in fewer, larger ops
+  (one broadcast XOR; constants and the column terms made once per device); the CPU set keeps
+  the expand and in-place XOR that Paddle's CPU kernels run faster.
 - 8-bit storage rounds with `uniform_noise`: 23 of the same bits as the mantissa of a
   float in [1, 2), minus 1: uniform on the multiples of 2^-23 in [0, 1).
 
@@ -33,9 +36,10 @@ import sys
 
 import paddle
 
+from ..cpu_kernels import cpu_set
 from ..numerics import cast_nearest, dtype_name
 
-__all__ = ["round_to", "uniform_noise"]
+__all__ = ["round_to", "uniform_noise", "StochasticBits", "BitsBatch"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
     raise ImportError("plsc.optim.rounding assumes a little-endian host")
@@ -65,14 +69,36 @@ def _signed(v):
     return v - (1 << 64) if v >> 63 else v
 
 
+def _const(value, place, dtype="int64"):
+    """A 0-d tensor `value` of `dtype` on `place`, made once (no copy to the device a call).
+    A Python int in an int64 op would pass through a float and lose bits above 2^53; a tensor
+    operand multiplies and adds modulo 2^64."""
+    key = (value, str(place), dtype)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = paddle.to_tensor(_signed(value) if dtype == "int64" else value,
+                                               dtype=dtype, place=place)
+    return t
+
+
 def _constants(place):
-    """0-d int64 tensors on `place`. A Python int in an int64 op would pass through a float
-    and lose bits above 2^53; a tensor operand multiplies and adds modulo 2^64."""
-    key = str(place)
+    """The hash's 0-d int64 constants on `place`."""
+    c = lambda v: _const(v, place)  # noqa: E731
+    return {"golden": c(_GOLDEN), "mix1": c(_MIX1), "mix2": c(_MIX2), 30: c(30), 27: c(27),
+            31: c(31), "column": c(_COLUMN)}
+
+
+def _key_tensor(key, place):
+    """The 0-d int64 hash key on `place`: a fill on the device, no copy from the host."""
+    return paddle.full([], _signed(key), dtype="int64").to(place)
+
+
+def _column_terms(m, place):
+    """`(2^62 + j)·golden` (modulo 2^64) for the columns j < m, made once per width."""
+    key = ("columns", m, str(place))
     if key not in _CONSTANTS:
-        c = lambda v: paddle.to_tensor(_signed(v), dtype="int64", place=place)  # noqa: E731
-        _CONSTANTS[key] = {"golden": c(_GOLDEN), "mix1": c(_MIX1), "mix2": c(_MIX2),
-                           30: c(30), 27: c(27), 31: c(31), "column": c(_COLUMN)}
+        c = _constants(place)
+        _CONSTANTS[key] = (paddle.arange(m, dtype="int64").to(place) + c["column"]) * c["golden"]
     return _CONSTANTS[key]
 
 
@@ -80,7 +106,13 @@ def _hash(v, key, c):
     """splitmix64(v·golden + key), elementwise on an int64 tensor (wrapping int64 ops,
     logical right shifts)."""
     shr = lambda z, s: paddle.bitwise_right_shift(z, c[s], is_arithmetic=False)  # noqa: E731
-    z = v * c["golden"] + paddle.to_tensor(_signed(key), dtype="int64", place=v.place)
+    z = v * c["golden"] + _key_tensor(key, v.place)
+    return _mix(z, c)
+
+
+def _mix(z, c):
+    """splitmix64's finaliser on an int64 tensor."""
+    shr = lambda z, s: paddle.bitwise_right_shift(z, c[s], is_arithmetic=False)  # noqa: E731
     z = paddle.bitwise_xor(z, shr(z, 30)) * c["mix1"]
     z = paddle.bitwise_xor(z, shr(z, 27)) * c["mix2"]
     return paddle.bitwise_xor(z, shr(z, 31))
@@ -94,14 +126,36 @@ def _random_bits(rows, m, key, bits, place, shift=0, base=0):
     cols = paddle.arange(m, dtype="int64").to(place) + c["column"]
     h = _hash(paddle.concat([rows.astype("int64"), cols]), key, c)
     # Tensor operands throughout: a Python int would pass through a float.
-    top = paddle.to_tensor(64 - bits, dtype="int64", place=place)
-    h = paddle.bitwise_right_shift(h, top, is_arithmetic=False)
-    h = paddle.bitwise_left_shift(h, paddle.to_tensor(shift, dtype="int64", place=place))
-    a = paddle.bitwise_or(h[:r], paddle.to_tensor(base, dtype="int64", place=place))
+    h = paddle.bitwise_right_shift(h, _const(64 - bits, place), is_arithmetic=False)
+    h = paddle.bitwise_left_shift(h, _const(shift, place))
+    a = paddle.bitwise_or(h[:r], _const(base, place))
     a = a.astype("int32").reshape([r, 1])
     # expand copies (it is no view), so the XOR below may work in place; it broadcasts a [m]
     # operand, which Paddle's CPU kernels run several times faster than a [1, m] one.
     return paddle.expand(a, [r, m]).bitwise_xor_(h[r:].astype("int32"))
+
+
+def _random_bits_device(rows, m, key, bits, place, shift=0, base=0):
+    """`_random_bits` in fewer, larger ops (the device set; the same bits): the column terms
+    made once per width, the row and column bits combined by one broadcast XOR."""
+    c = _constants(place)
+    r = rows.shape[0]
+    rows = rows if rows.dtype == paddle.int64 else rows.astype("int64")
+    z = paddle.concat([rows * c["golden"], _column_terms(m, place)]) + _key_tensor(key, place)
+    h = paddle.bitwise_right_shift(_mix(z, c), _const(64 - bits, place), is_arithmetic=False)
+    if shift:
+        h = paddle.bitwise_left_shift(h, _const(shift, place))
+    h = h.astype("int32")  # at most 23 bits: exact
+    column = h[r:] if not base else paddle.bitwise_or(h[r:], _const(base, place, "int32"))
+    return paddle.bitwise_xor(h[:r].reshape([r, 1]), column)  # base: not among the random bits
+
+
+def _bfloat16_stochastic_device(x, noise):
+    """`_bfloat16_stochastic` in fewer ops (the device set; the same bits)."""
+    bits = noise.add_(x.view("int32"))
+    bits = paddle.where(paddle.isnan(x), _const(_QUIET_NAN, x.place, "int32"), bits)
+    high = paddle.bitwise_right_shift(bits, _const(16, x.place, "int32"), is_arithmetic=True)
+    return high.astype("int16").view("bfloat16")
 
 
 def _bfloat16_stochastic(x, noise):
@@ -123,8 +177,7 @@ def _float16_stochastic(x, noise):
 def _float16_ulp(x):
     """float16's spacing at each value of x: 2^(e - 10) for |x| in [2^e, 2^(e+1)), at least
     2^-24 (subnormals), at most 32 (the spacing at 65504; larger values overflow to inf)."""
-    exponent = paddle.expand(paddle.to_tensor(0x7F800000, dtype="int32", place=x.place)
-                             .reshape([1, 1]), x.shape)
+    exponent = paddle.expand(_const(0x7F800000, x.place, "int32").reshape([1, 1]), x.shape)
     power = exponent.bitwise_and_(x.view("int32")).view("float32")  # 2^e; 0 below normal
     return power.clip_(2.0 ** -14, 2.0 ** 15).scale_(2.0 ** -10)
 
@@ -155,12 +208,15 @@ def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, str
     m = x.size // r
     rows = paddle.arange(r, dtype="int64").to(x.place) if rows is None else rows
     key = _key(seed, stream, step, rank)
-    flat = x.reshape([r, m])
+    flat = x if x.ndim == 2 else x.reshape([r, m])
+    cpu = cpu_set(x)
+    random_bits = _random_bits if cpu else _random_bits_device
     if name == "bfloat16":
-        out = _bfloat16_stochastic(flat, _random_bits(rows, m, key, 16, x.place))
+        out = (_bfloat16_stochastic if cpu else _bfloat16_stochastic_device)(
+            flat, random_bits(rows, m, key, 16, x.place))
     else:  # 13 bits at the top of a float32 mantissa, exponent 0: a float in [1, 2)
-        out = _float16_stochastic(flat, _random_bits(rows, m, key, 13, x.place, 10, 0x3F800000))
-    return out.reshape(x.shape)
+        out = _float16_stochastic(flat, random_bits(rows, m, key, 13, x.place, 10, 0x3F800000))
+    return out if x.ndim == 2 else out.reshape(x.shape)
 
 
 def uniform_noise(rows, m, seed=0, step=0, rank=0, stream=0, place=None):
@@ -169,5 +225,90 @@ def uniform_noise(rows, m, seed=0, step=0, rank=0, stream=0, place=None):
     `round_to`'s bits: what 8-bit stochastic writes round with."""
     place = rows.place if place is None else place
     key = _key(seed, stream, step, rank)
-    bits = _random_bits(rows, m, key, 23, place, 0, 0x3F800000)
+    random_bits = _random_bits if cpu_set(rows) else _random_bits_device
+    bits = random_bits(rows, m, key, 23, place, 0, 0x3F800000)
     return bits.view("float32").scale_(1.0, bias=-1.0)
+
+
+_SPECS = {"bfloat16": (16, 0, 0), "float16": (13, 10, 0x3F800000)}  # (bits, shift, base)
+_NOISE = (23, 0, 0x3F800000)  # 8-bit storage's uniform noise
+
+
+class StochasticBits:
+    """The random bits of one array's stochastic writes in one step, as `plsc.storage.put`
+    asks for them: `round` (16 bits) and `noise` (8 bits) for the given global rows. With a
+    `BitsBatch` that holds this array's stream (the device set), its bits come from the
+    batch; they are the same bits."""
+
+    def __init__(self, seed, stream, step, rank, batch=None):
+        self.seed, self.stream, self.step, self.rank = seed, stream, step, rank
+        self.batch = batch
+
+    def _batched(self, rows, m):
+        b = self.batch
+        if b is None or self.stream not in b.streams or rows is not b.rows or m != b.m:
+            return None
+        return b.bits(self.stream)
+
+    def round(self, values, dtype, rows):
+        bits = self._batched(rows, values.size // max(1, values.shape[0]))
+        if bits is None or values.ndim != 2:
+            return round_to(values, dtype, "stochastic", seed=self.seed, step=self.step,
+                            rank=self.rank, rows=rows, stream=self.stream)
+        if dtype_name(dtype) == "bfloat16":
+            return _bfloat16_stochastic_device(values, bits)
+        return _float16_stochastic(values, bits)
+
+    def noise(self, rows, m):
+        bits = self._batched(rows, m)
+        if bits is None:
+            return uniform_noise(rows, m, seed=self.seed, step=self.step, rank=self.rank,
+                                 stream=self.stream)
+        return bits.view("float32").scale_(1.0, bias=-1.0)
+
+
+class BitsBatch:
+    """The device set's random bits for several arrays written at the same rows in one step
+    (an optimizer update: the weight and its state), hashed together in one pass the first
+    time one is asked for: `streams` maps each array's stream to its storage name
+    ("bfloat16", "float16", or an 8-bit map: noise). The bits are `round_to`'s and
+    `uniform_noise`'s for the same (seed, stream, step, rank, row, column)."""
+
+    def __init__(self, seed, step, rank, rows, m, streams):
+        self.seed, self.step, self.rank, self.rows, self.m = seed, step, rank, rows, m
+        self.streams = dict(streams)
+        self._bits = None
+
+    def bits(self, stream):
+        if self._bits is None:
+            self._bits = self._compute()
+        return self._bits[stream]
+
+    def _compute(self):
+        rows, m = self.rows, self.m
+        place, r = rows.place, rows.shape[0]
+        c = _constants(place)
+        streams = list(self.streams)
+        keys = paddle.stack([_key_tensor(_key(self.seed, s, self.step, self.rank), place)
+                             for s in streams]).reshape([len(streams), 1])
+        rows = rows if rows.dtype == paddle.int64 else rows.astype("int64")
+        z = paddle.concat([rows * c["golden"], _column_terms(m, place)]) + keys  # [K, r + m]
+        h = _mix(z, c)
+        specs = [_SPECS.get(self.streams[s], _NOISE) for s in streams]
+        if len(set(specs)) == 1:  # one extraction for all: [K, r, m]
+            groups = [(list(range(len(streams))), specs[0])]
+        else:
+            groups = [([k], spec) for k, spec in enumerate(specs)]
+        out = {}
+        for ks, (bits, shift, base) in groups:
+            part = h if len(ks) == len(streams) else h[ks[0]:ks[0] + 1]
+            part = paddle.bitwise_right_shift(part, _const(64 - bits, place), is_arithmetic=False)
+            if shift:
+                part = paddle.bitwise_left_shift(part, _const(shift, place))
+            part = part.astype("int32")
+            column = part[:, r:] if not base else \
+                paddle.bitwise_or(part[:, r:], _const(base, place, "int32"))
+            both = paddle.bitwise_xor(part[:, :r].unsqueeze(2), column.unsqueeze(1))
+            for j, k in enumerate(ks):
+                out[streams[k]] = both[j]
+        return out

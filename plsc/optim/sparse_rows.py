@@ -20,20 +20,29 @@ resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
 logarithmic, see `plsc.quantized`); state with one value a row (the bias's, AdamW's
 step counts) stays float32. Gradients may come in any float dtype and are upcast.
 Float32 storage is neither rounded nor changed in any bit.
+
+Kernel sets (`plsc.cpu_kernels.cpu_set`): the CPU set updates chunks of 1,024 rows and reads
+the fused update's finiteness on the host; the device set updates a slab from
+`plsc.storage`'s byte budget at a time, keeps the finiteness on the device (a slab whose
+gradient is not finite writes its rows back as they were) and merges accumulated gradients
+by a stable sort instead of `unique`: no host read, no data-dependent shape. Both run the same
+float32 operations on each row, so they give the same bits.
 """
 import math
 import zlib
 
 import paddle
 
-from ..cpu_kernels import all_finite, finite_flag
+from .. import storage
+from ..cpu_kernels import all_finite, cpu_set, finite_flag
 from ..numerics import sqrt_exact, to_float32
-from ..quantized import HEAD_DTYPES, INT8_MAPS, Int8Rows, rows_f32, storage_name, take_f32
-from .rounding import round_to, uniform_noise
+from .rounding import BitsBatch, StochasticBits
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
-_CHUNK = 1024  # rows updated at a time: temporaries stay cache-sized
+_CHUNK = 1024  # rows updated at a time on the CPU set: temporaries stay cache-sized
+# On the device set a slab is `plsc.storage.slab_rows` (its byte budget, 256 MiB of float32
+# rows): the update is a fixed number of Paddle ops a slab, whatever the rows.
 
 
 class SparseRowOptimizer:
@@ -52,7 +61,7 @@ class SparseRowOptimizer:
     int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
-        if state_dtype is not None and state_dtype not in HEAD_DTYPES:
+        if state_dtype is not None and state_dtype not in storage.HEAD_DTYPES:
             raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16, "
                              f"float16 or int8, got {state_dtype!r}")
         if rounding not in ("stochastic", "nearest"):
@@ -63,7 +72,25 @@ class SparseRowOptimizer:
         self._rounded = False  # whether a write was rounded: then `step_count` is state
         self._state = {}
         self._stash = {}
-        self.fused_applied = self.fused_skipped = 0  # slabs of the last fused update
+        self._fused_counts = [0, 0]  # slabs of the last fused update: applied, skipped (CPU)
+        self._fused_flags = []  # 0-d bool tensors, a slab each: its gradient was finite
+
+    @property
+    def fused_applied(self):
+        """Slabs of the last fused update that were applied (device set: read from it)."""
+        return self._fused_counts[0] + sum(bool(f) for f in self._fused_flags)
+
+    @property
+    def fused_skipped(self):
+        """Slabs of the last fused update whose gradient was not all finite (not applied)."""
+        return self._fused_counts[1] + sum(not bool(f) for f in self._fused_flags)
+
+    def fused_finite(self):
+        """A 0-d bool tensor: no slab of the last fused update was skipped (nothing read)."""
+        flag = paddle.to_tensor(self._fused_counts[1] == 0)
+        for f in self._fused_flags:
+            flag = paddle.logical_and(flag, f)
+        return flag
 
     def get_lr(self):
         lr = self.learning_rate
@@ -99,18 +126,24 @@ class SparseRowOptimizer:
         non-finite loss makes every slab's gradient non-finite, so the head then stays as it
         was (the trainer skips the step, `end_fused_step(head, applied=False)`)."""
         lr = self.get_lr()
-        self.fused_applied = self.fused_skipped = 0
+        self._fused_counts, self._fused_flags = [0, 0], []
 
         def update(lo, hi, weight_grad, bias_grad):
-            if not all_finite(weight_grad, bias_grad):
-                self.fused_skipped += 1
-                return
-            self.fused_applied += 1
+            keep = None
+            if cpu_set(*[g for g in (weight_grad, bias_grad) if g is not None]):
+                if not all_finite(weight_grad, bias_grad):
+                    self._fused_counts[1] += 1
+                    return
+                self._fused_counts[0] += 1
+            else:  # decided on the device: a non-finite slab writes its rows as they were
+                ok = finite_flag([weight_grad, bias_grad])
+                self._fused_flags.append(ok)
+                keep = paddle.logical_not(ok)
             for name, param, grad in (("weight", head.weight, weight_grad),
                                       ("bias", head.bias, bias_grad)):
                 if grad is not None:
                     self._apply(name, param, head.rank, _row_index(head, name), lo, grad, lr,
-                                grad_scale)
+                                grad_scale, keep)
         return update
 
     def end_fused_step(self, head, applied=True):
@@ -120,19 +153,24 @@ class SparseRowOptimizer:
         head.row_update = None  # it holds this step's learning rate
         head.release_sampled_rows()
 
-    def _apply(self, name, param, rank, index, lo, grad, lr, grad_scale):
+    def _apply(self, name, param, rank, index, lo, grad, lr, grad_scale, keep=None):
         """Update the step's rows lo .. lo + len(grad) of `param` (rows `index[lo:...]`, or
-        those rows themselves when `index` is None) and their state, a chunk at a time."""
+        those rows themselves when `index` is None) and their state, a chunk (CPU set) or a
+        slab (device set) at a time; `keep` (0-d bool tensor): write the rows as they were."""
         state = self._state_for(name, param)
         with paddle.no_grad():
             grad = to_float32(grad)
             if grad_scale != 1.0:
                 grad = grad * grad_scale
             hi = lo + grad.shape[0]
-            for start in range(lo, hi, _CHUNK):
-                stop = min(start + _CHUNK, hi)
-                rows = _Rows(self, name, rank, index, start, stop)
-                self._update(param, state, rows, grad[start - lo:stop - lo], lr)
+            step = _CHUNK if cpu_set(grad) else \
+                storage.slab_rows(grad.size // max(1, grad.shape[0]), grad)
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                rows = _Rows(self, name, rank, index, start, stop, keep,
+                             dict(state, **{"": param}))
+                part = grad if (start, stop) == (lo, hi) else grad[start - lo:stop - lo]
+                self._update(param, state, rows, part, lr)
 
     def discard(self, head):
         """Drop the pending gradients without applying them (a skipped step)."""
@@ -156,10 +194,9 @@ class SparseRowOptimizer:
                 yield name, param, parts[0][0], parts[0][1]
                 continue
             index = paddle.concat([p[0] for p in parts])
-            unique, inverse = paddle.unique(index, return_inverse=True)
             grads = paddle.concat([to_float32(p[1]) for p in parts])
-            summed = paddle.zeros([unique.shape[0]] + list(grads.shape[1:]), dtype=grads.dtype)
-            yield name, param, unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
+            yield (name, param) + (_merge_unique(index, grads) if cpu_set(index, grads)
+                                   else _merge_sorted(index, grads))
 
     def all_gradients_finite(self, head):
         """A 0-d bool tensor: every gradient the next `step` would apply is finite (this
@@ -176,7 +213,7 @@ class SparseRowOptimizer:
 
     def _state_for(self, name, param):
         if name not in self._state:
-            dtype = self.state_dtype or storage_name(param)
+            dtype = self.state_dtype or storage.name(param)
             self._state[name] = {key: self._zeros(key, param.shape, dtype)
                                  for key in self.state_names}
             self._init_extra_state(self._state[name], param)
@@ -184,12 +221,9 @@ class SparseRowOptimizer:
 
     def _zeros(self, key, shape, dtype):
         """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
-        axes only; a value a row stays float32)."""
-        if dtype in INT8_MAPS:
-            if len(shape) < 2:
-                return paddle.zeros(shape, dtype="float32")
-            return Int8Rows.zeros(list(shape), self.int8_maps[key])
-        return paddle.zeros(shape, dtype=dtype)
+        axes only, with the map `int8_maps` names; a value a row stays float32)."""
+        return storage.zeros(shape, "int8" if dtype.startswith(("int8", "uint8")) else dtype,
+                             self.int8_maps.get(key, "int8"))
 
     def _init_extra_state(self, state, param):
         pass
@@ -214,8 +248,7 @@ class SparseRowOptimizer:
                 self._rounded = True
                 continue
             name, key = full.rsplit(".", 1)
-            self._state.setdefault(name, {})[key] = value if isinstance(value, Int8Rows) \
-                else paddle.to_tensor(value)
+            self._state.setdefault(name, {})[key] = storage.as_array(value)
 
 
 def _row_index(head, name):
@@ -237,52 +270,65 @@ def _head_rows(head):
         yield name, param, _row_index(head, name), head.row_gradient(name)
 
 
+def _merge_unique(index, grads):
+    """(sorted unique rows of `index`, their summed gradient rows): the CPU set's merge."""
+    unique, inverse = paddle.unique(index, return_inverse=True)
+    summed = paddle.zeros([unique.shape[0]] + list(grads.shape[1:]), dtype=grads.dtype)
+    return unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
+
+
+def _merge_sorted(index, grads):
+    """(`index` sorted, with its repeats; each entry's row's summed gradient): the device
+    set's merge, of a fixed size. A repeated row gets the same gradient at each of its entries,
+    so every write of it stores the same values; each row's parts are summed in their order
+    (a stable sort), as `_merge_unique` sums them."""
+    order = paddle.argsort(index, stable=True)
+    ordered = paddle.gather(index, order)
+    starts = paddle.concat([paddle.ones([1], "int64"),
+                            (ordered[1:] != ordered[:-1]).astype("int64")])
+    segment = paddle.cumsum(starts) - 1
+    summed = paddle.zeros(grads.shape, grads.dtype).index_add_(segment, 0,
+                                                               paddle.gather(grads, order))
+    return ordered, paddle.gather(summed, segment)
+
+
 class _Rows:
     """A chunk of rows of the parameter `name` (`index[start:stop]`, or rows start..stop
-    without an index): reads them from any array as float32 and writes float32 values back
-    in the array's storage, rounded with bits of (seed, stream of the array, step, rank, row)."""
+    without an index): reads them from any head array as float32 and writes float32 values
+    back in the array's storage (`plsc.storage`), rounded with bits of (seed, stream of the
+    array, step, rank, row); with `keep` (a 0-d bool tensor) true, as they were read."""
 
-    def __init__(self, opt, name, rank, index, start, stop):
-        self.opt, self.name, self.rank = opt, name, rank
+    def __init__(self, opt, name, rank, index, start, stop, keep=None, arrays=None):
+        self.opt, self.name, self.rank, self.keep = opt, name, rank, keep
         self.index = index[start:stop] if index is not None else None
         self.start, self.stop = start, stop
+        self.batch = None
+        if arrays and opt.rounding == "stochastic" and self.index is not None \
+                and not cpu_set(self.index):
+            # The device set hashes the random bits of every rounded array of these rows
+            # at once (the same bits as one array at a time).
+            streams = {_stream(name, key): storage.name(t) for key, t in arrays.items()
+                       if not storage.is_float32(t) and len(t.shape) > 1}
+            if len(streams) > 1:
+                width = math.prod(arrays[""].shape[1:])
+                self.batch = BitsBatch(opt.seed, opt.step_count, rank, self.index, width,
+                                       streams)
 
     def read(self, t):
-        return rows_f32(t, self.start, self.stop) if self.index is None else take_f32(t, self.index)
+        return storage.read(t, self.start, self.stop) if self.index is None \
+            else storage.take(t, self.index)
 
     def write(self, t, value, key=""):
         """Store `value` (float32) in these rows of `t`, the array `key` of the parameter
         ("": the parameter itself)."""
-        if isinstance(t, Int8Rows):
-            self._write_8bit(t, value, key)
-            return
-        if t.dtype != paddle.float32:
+        bits = None
+        if not storage.is_float32(t):
             self.opt._rounded = True
-            value = round_to(value, t.dtype, self.opt.rounding, seed=self.opt.seed,
-                             step=self.opt.step_count, rank=self.rank, rows=self._ids(),
-                             stream=_stream(self.name, key))
-        if self.index is None:
-            t[self.start:self.stop] = value
-        elif t.dtype == paddle.float32:
-            t.scatter_(self.index, value, overwrite=True)
-        elif t.ndim == 2 and t.shape[1] % 2 == 0:
-            # No 16-bit CPU scatter in Paddle 3.3: scatter pairs of 16-bit values as int32.
-            t.view("int32").scatter_(self.index, value.view("int32"), overwrite=True)
-        else:  # index_put_ is slow on rows of a 2-D tensor (5 ms for [1024, 512]), fast on 1-D
-            t.index_put_((self.index,), value)
-
-    def _write_8bit(self, t, value, key):
-        self.opt._rounded = True
-        noise = None
-        if self.opt.rounding == "stochastic":
-            noise = uniform_noise(self._ids(), value.size // value.shape[0], seed=self.opt.seed,
-                                  step=self.opt.step_count, rank=self.rank,
-                                  stream=_stream(self.name, key)).reshape(value.shape)
-        t.write(self.start if self.index is None else self.index, value, noise)
-
-    def _ids(self):
-        return self.index if self.index is not None else \
-            paddle.arange(self.start, self.stop, dtype="int64")
+            if self.opt.rounding == "stochastic":
+                bits = StochasticBits(self.opt.seed, _stream(self.name, key),
+                                      self.opt.step_count, self.rank, self.batch)
+        storage.put(t, self.start if self.index is None else self.index, value, bits,
+                    self.keep)
 
 
 def _stream(name, key):
@@ -340,9 +386,11 @@ class SparseAdamW(SparseRowOptimizer):
         rows.write(state["moment1"], m, "moment1")
         rows.write(state["moment2"], v, "moment2")
         rows.write(state["steps"], t, "steps")
-        shape = [-1] + [1] * (len(w.shape) - 1)
-        c1 = _bias_correction(self.beta1, t, w.place).reshape(shape)
-        c2 = _bias_correction(self.beta2, t, w.place).reshape(shape)
+        both = _bias_corrections(self.beta1, self.beta2, t, w.place)  # [r, 2]
+        c1, c2 = (both[:, 0], both[:, 1]) if len(w.shape) == 1 else (both[:, 0:1], both[:, 1:2])
+        if len(w.shape) > 2:
+            shape = [-1] + [1] * (len(w.shape) - 1)
+            c1, c2 = c1.reshape(shape), c2.reshape(shape)
         w = w * (1.0 - lr * self.weight_decay)
         w = w - lr * (m / c1) / (sqrt_exact(v / c2) + self.epsilon)
         rows.write(param, w)
@@ -351,16 +399,19 @@ class SparseAdamW(SparseRowOptimizer):
 _CORRECTIONS = {}
 
 
-def _bias_correction(beta, steps, place):
-    """float32 `1 - beta**t` for each row's step count t, looked up in a table computed in
-    float64 on the host (1 - 0.999**t loses 4 digits in float32; and a vectorised pow need
-    not round alike for every chunk length, which the fused update's bit-for-bit contract
-    needs). From the t where beta**t < 2^-25 on the value is 1.0 in float32; the table
-    stops there."""
-    key = (beta, str(place))
+def _bias_corrections(beta1, beta2, steps, place):
+    """float32 `[1 - beta1**t, 1 - beta2**t]` for each row's step count t (`[r, 2]`), looked
+    up in one table computed in float64 on the host (1 - 0.999**t loses 4 digits in float32;
+    and a vectorised pow need not round alike for every chunk length, which the fused update's
+    bit-for-bit contract needs). From the t where beta**t < 2^-25 on the value is 1.0 in
+    float32: each column holds its value there from then on, and the table stops at the later
+    of the two."""
+    key = (beta1, beta2, str(place))
     if key not in _CORRECTIONS:
-        cap = 1 if beta <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(beta))) + 1
-        table = [1.0 - beta ** t for t in range(cap + 1)]
+        caps = [1 if b <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(b))) + 1
+                for b in (beta1, beta2)]
+        table = [[1.0 - b ** min(t, cap) for b, cap in zip((beta1, beta2), caps)]
+                 for t in range(max(caps) + 1)]
         _CORRECTIONS[key] = paddle.to_tensor(table, dtype="float64", place=place) \
             .astype("float32")
     table = _CORRECTIONS[key]

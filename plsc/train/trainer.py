@@ -12,7 +12,7 @@ from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler
 from ..nn import PartialFC
-from ..quantized import all_rows_finite
+from ..storage import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
 from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
                           load_head_rows_into, local_optimizer_state, portable_optimizer_state,
