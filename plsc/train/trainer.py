@@ -239,7 +239,7 @@ class Trainer:
         fused = self.fused_head_update  # then the head's rows were updated in the backward
         # The head's gradients differ from rank to rank: whether they are finite here rides
         # along in the backbone's all-reduce, so every rank takes the same decision.
-        head_ok = (paddle.to_tensor(self.head_opt.fused_skipped == 0) if fused
+        head_ok = (self.head_opt.fused_finite() if fused
                    else self.head_opt.all_gradients_finite(self.head))
         head_bad = self.gradient_sum.finish(extra=paddle.logical_not(head_ok).astype("float32")
                                             .reshape([1]))
