@@ -50,11 +50,11 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_,
+from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_, put_columns_,
                            remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
-from ..numerics import SLAB_BYTES, sqrt_exact
+from ..numerics import SLAB_BYTES, cast_nearest, sqrt_exact
 from ..quantized import Int8Rows, rows_f32 as _rows_f32
 
 __all__ = ["parallel_softmax_cross_entropy"]
@@ -93,6 +93,42 @@ def filter_bound(threshold, scale):
 def _row_norm(x):
     """L2 norm of each row, floored at _NORM_EPS, without an `x`-sized temporary."""
     return sqrt_exact(row_dot(x, x)).clip(min=_NORM_EPS)
+
+
+class _BlockRows:
+    """The float32 rows [lo, hi) of the weight, as the GEMMs read them: the block at once (a view
+    of a float32 weight; a narrower block upcast whole while its float32 copy takes at most
+    `_WGRAD_BLOCK_BYTES`), else a slab of `_WGRAD_SLAB` rows at a time, read when asked for,
+    so no float32 copy of a wide 16- or 8-bit block (the dense path's whole shard) exists."""
+
+    def __init__(self, weight, lo, hi):
+        self.weight, self.lo, self.hi = weight, lo, hi
+        narrow = isinstance(weight, Int8Rows) or weight.dtype != paddle.float32
+        self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= _WGRAD_BLOCK_BYTES
+        self.rows = _rows_f32(weight, lo, hi) if self.whole else None
+
+    def slabs(self):
+        """(a, b) bounds of the slabs the rows are read in, relative to `lo`."""
+        step = self.hi - self.lo if self.whole else _WGRAD_SLAB
+        return [(a, min(a + step, self.hi - self.lo)) for a in range(0, self.hi - self.lo, step)]
+
+    def get(self, a, b):
+        """Rows [lo + a, lo + b) as float32."""
+        if self.rows is not None:
+            return self.rows if (a, b) == (0, self.hi - self.lo) else self.rows[a:b]
+        return _rows_f32(self.weight, self.lo + a, self.lo + b)
+
+
+def _matmul_rows(x, w, out):
+    """x·wᵀ (`w`: a `_BlockRows`) into `out` when given ([N, rows]); a wide narrow block a slab
+    of rows at a time, each slab's columns copied into the output."""
+    if w.whole:
+        return paddle.matmul(x, w.rows, transpose_y=True, out=out)
+    if out is None:
+        out = paddle.empty([x.shape[0], w.hi - w.lo], dtype="float32")
+    for a, b in w.slabs():
+        put_columns_(out, a, paddle.matmul(x, w.get(a, b), transpose_y=True))
+    return out
 
 
 class _Block:
@@ -251,15 +287,14 @@ def _zero_clamped_(step, block, exp_logits):
 
 
 def _block_logits(step, block, w, bias):
-    """Logits of one block (`w`: its float32 weight rows; margin applied to its targets), written
+    """Logits of one block (`w`: its weight rows, a `_BlockRows`; margin applied to its targets), written
     into the workspace's buffer for blocks of this width when it lends one; returns (logits,
     `[N]` target logits, meaningful for the rows whose target is inside the block)."""
     margin = step.margin
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
         name = block.buffer if step.sub_centers == 1 else block.centre_buffer
-        cos = paddle.matmul(step.x_scaled, w, transpose_y=True,
-                            out=_lend(step, name, [step.n, block.hi - block.lo]))
+        cos = _matmul_rows(step.x_scaled, w, _lend(step, name, [step.n, block.hi - block.lo]))
         scale_columns_(cos, step.inv_w[block.lo:block.hi])
         logits = _class_max(step, block, cos)
         plain = block.take(logits)
@@ -267,8 +302,8 @@ def _block_logits(step, block, w, bias):
         target_logit = margin.target_logit(block.cos_t)
         block.put_(logits, target_logit, _filter_and_clamp_(step, block, logits, plain))
     else:
-        logits = paddle.matmul(step.features, w, transpose_y=True,
-                               out=_lend(step, block.buffer, [step.n, block.stop - block.start]))
+        logits = _matmul_rows(step.features, w,
+                              _lend(step, block.buffer, [step.n, block.stop - block.start]))
         if bias is not None:
             logits.add_(_rows_f32(bias, block.start, block.stop))
         target_logit = block.take(logits)
@@ -305,14 +340,15 @@ def _logits(step, dtype):
     the global max)."""
     blocks, weight, bias = step.blocks, step.weight, step.bias
     if len(blocks) == 1:
-        logits, target_logit = _block_logits(step, blocks[0], _rows_f32(weight), bias)
+        w = _BlockRows(weight, 0, weight.shape[0])
+        logits, target_logit = _block_logits(step, blocks[0], w, bias)
         step.exp_logits = logits
         return target_logit, row_max_of(logits), None
     run_max = paddle.full([step.n], float("-inf"), dtype=dtype)
     run_sum = paddle.zeros([step.n], dtype=dtype)
     target_logit = paddle.zeros([step.n], dtype=dtype)
     for block in blocks:
-        w = _rows_f32(weight, block.lo, block.hi)
+        w = _BlockRows(weight, block.lo, block.hi)
         logits, t = _block_logits(step, block, w, bias)
         block.pick = block.clamped = None  # the backward finds them again
         target_logit = paddle.where(block.inside, t, target_logit)
@@ -380,6 +416,9 @@ def _open_grads(step, n):
         step.sink = step.row_update
     elif step.need_w and step.grad_into_weight:
         step.sink, d_w = _over_weight(weight), weight
+    elif step.need_w and weight.dtype != paddle.float32:  # a 16-bit gradient, slab by slab
+        d_w = paddle.empty(weight.shape, dtype=weight.dtype)
+        step.sink = _into_narrow(d_w)
     elif step.need_w:
         step.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
     return d_x, d_w
@@ -409,7 +448,7 @@ def _target_grad(step, block, buf):
 
 
 def _logits_grad(step, block, buf, w, row_scale, d_x):
-    """Logits, reversed: from the block's dL/dlogit / r in `buf` (`w`: its float32 rows), adds
+    """Logits, reversed: from the block's dL/dlogit / r in `buf` (`w`: its `_BlockRows`), adds
     the embedding part to `d_x` and produces the block's weight (and bias) gradient rows. r is
     applied to the small GEMM operands and the output, so the GEMMs are the only passes over
     `buf` (and, for a wide block, the one pass that copies each column slab for them,
@@ -430,11 +469,12 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
                       out=step.d_b[block.start:block.stop])
     d_x_block = None
     for lo, hi, part in _slabs(buf, inv_w, rhs.shape[1]):
+        rows = w.get(lo, hi)
         if d_x is not None:
-            prod = paddle.matmul(part, w if (lo, hi) == (0, buf.shape[1]) else w[lo:hi])
+            prod = paddle.matmul(part, rows)
             d_x_block = prod if d_x_block is None else d_x_block.add_(prod)
         if step.need_w:
-            _weight_grad_rows(step, block.lo + lo, block.lo + hi, part, w[lo:hi],
+            _weight_grad_rows(step, block.lo + lo, block.lo + hi, part, rows,
                               None if inv_w is None else inv_w[lo:hi], rhs)
     if d_x_block is not None:
         d_x.add_(d_x_block * scale)
@@ -499,6 +539,15 @@ def _over_weight(weight):
     return write
 
 
+def _into_narrow(d_w):
+    """A sink writing gradient rows into `d_w` (16 bits), rounded to nearest as Paddle would
+    round a float32 gradient returned for a 16-bit input, a slab at a time: no float32
+    `[C_local, d]` gradient exists."""
+    def write(lo, hi, g_w, g_b):
+        d_w[lo:hi] = cast_nearest(g_w, d_w.dtype)
+    return write
+
+
 def _give_back(step, *names):
     if step.workspace is not None:
         for name in names:
@@ -524,7 +573,7 @@ class _ParallelSoftmaxCE(PyLayer):
         row_scale = _loss_grad(step, grad)
         d_x, d_w = _open_grads(step, grad.shape[0])
         for block in step.blocks:  # the chunked path recomputes the logits it dropped
-            w = _rows_f32(step.weight, block.lo, block.hi)
+            w = _BlockRows(step.weight, block.lo, block.hi)
             buf = _sum_grad(step, block, w)
             _target_grad(step, block, buf)
             _logits_grad(step, block, buf, w, row_scale, d_x)
@@ -581,7 +630,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
     must be summed over ranks (the backward of an all-gather does that). A 16-bit
-    weight's returned gradient is cast by Paddle to the weight's dtype.
+    weight's returned gradient is in its dtype (float32 results rounded to nearest, a slab at
+    a time).
     """
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")
