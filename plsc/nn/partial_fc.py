@@ -271,10 +271,13 @@ class PartialFC(nn.Layer):
     @property
     def num_positive(self):
         """Distinct positives of the last global batch among this rank's classes."""
-        if self._last_target is None:
+        if self._last_target is None or self._last_target.shape[0] == 0:
             return 0
-        owned = paddle.masked_select(self._last_target, self._last_target >= 0)
-        return int(paddle.unique(owned).shape[0]) if owned.shape[0] else 0
+        # Fixed shapes (no unique / masked_select): sorted, a label counts where it starts a
+        # run; labels owned elsewhere (-1) sort first and are not counted. One read.
+        t = paddle.sort(self._last_target)
+        starts = paddle.concat([t[:1] >= 0, paddle.logical_and(t[1:] != t[:-1], t[1:] >= 0)])
+        return int(starts.astype("int64").sum())
 
     @property
     def positive_fraction(self):
