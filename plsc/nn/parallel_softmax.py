@@ -48,6 +48,7 @@ at a time sum and max → target → logits, then gather (`_loss_grad` … `_gat
 """
 import numpy as np
 import paddle
+from paddle import _C_ops
 from paddle.autograd import PyLayer
 
 from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_, put_columns_,
@@ -105,7 +106,9 @@ class _BlockRows:
         self.weight, self.lo, self.hi = weight, lo, hi
         narrow = isinstance(weight, Int8Rows) or weight.dtype != paddle.float32
         self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= _WGRAD_BLOCK_BYTES
-        self.rows = _rows_f32(weight, lo, hi) if self.whole else None
+        whole_shard = (lo, hi) == (0, weight.shape[0])  # no slice op
+        self.rows = None if not self.whole else \
+            _rows_f32(weight) if whole_shard else _rows_f32(weight, lo, hi)
 
     def slabs(self):
         """(a, b) bounds of the slabs the rows are read in, relative to `lo`."""
@@ -117,6 +120,18 @@ class _BlockRows:
         if self.rows is not None:
             return self.rows if (a, b) == (0, self.hi - self.lo) else self.rows[a:b]
         return _rows_f32(self.weight, self.lo + a, self.lo + b)
+
+
+def _rows(t, lo, hi):
+    """t[lo:hi], or `t` itself when that is all of it (no slice op)."""
+    return t if (lo, hi) == (0, t.shape[0]) else t[lo:hi]
+
+
+def put_along_(buf, index, values, axis):
+    """buf[index] = values along `axis` in place (`index` in range, same rank as `buf`):
+    Paddle's op without `Tensor.put_along_axis_`'s bounds check, which reads
+    `(index < size).all()` back to the host (a device sync) on every call."""
+    return _C_ops.put_along_axis_(buf, index, values, axis, "assign", True)
 
 
 def _matmul_rows(x, w, out):
@@ -144,8 +159,11 @@ class _Block:
         self.buffer = f"logits[{stop - start}]"  # workspace names: one buffer per block width
         self.centre_buffer = f"centres[{self.hi - self.lo}]"
         self.mask_buffer = f"filtered[{stop - start}]"
-        self.inside = paddle.logical_and(local_target >= start, local_target < stop)
-        self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
+        # inside: start <= target < stop, i.e. the column is unchanged by the clip
+        offset = local_target - start if start else local_target
+        col = paddle.clip(offset, 0, stop - start - 1)
+        self.inside = col == offset
+        self.col = col.unsqueeze(1)
         self.cos_t = self.pick = self.clamped = None
 
     def take(self, buf):
@@ -154,8 +172,7 @@ class _Block:
 
     def put_(self, buf, value, old):
         """Write `value` at the target entries of the rows inside this block, in place."""
-        buf.put_along_axis_(self.col, paddle.where(self.inside, value, old).unsqueeze(1), 1,
-                            broadcast=False)
+        put_along_(buf, self.col, paddle.where(self.inside, value, old).unsqueeze(1), 1)
 
 
 def _blocks(local_target, num_classes, chunk_size, sub_centers):
@@ -220,8 +237,7 @@ def _to_centres(step, block, buf):
     width, k = block.stop - block.start, step.sub_centers
     out = _lend(step, block.centre_buffer, [step.n, width * k])
     out = paddle.zeros([step.n, width * k], "float32") if out is None else out.zero_()
-    out.reshape([step.n, width, k]).put_along_axis_(block.pick.astype("int64"),
-                                                     buf.unsqueeze(2), 2, broadcast=False)
+    put_along_(out.reshape([step.n, width, k]), block.pick.astype("int64"), buf.unsqueeze(2), 2)
     block.pick = None
     return out
 
@@ -295,7 +311,7 @@ def _block_logits(step, block, w, bias):
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
         name = block.buffer if step.sub_centers == 1 else block.centre_buffer
         cos = _matmul_rows(step.x_scaled, w, _lend(step, name, [step.n, block.hi - block.lo]))
-        scale_columns_(cos, step.inv_w[block.lo:block.hi])
+        scale_columns_(cos, _rows(step.inv_w, block.lo, block.hi))
         logits = _class_max(step, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
@@ -383,7 +399,8 @@ def _sum(step, local_max, local_sum):
 def _target(step, target_logit, local_target):
     """Target: log p[target] on the rank that owns the label, 0 elsewhere."""
     logp = target_logit - step.row_max - paddle.log(step.sum_exp)
-    return paddle.where(local_target >= 0, logp, paddle.zeros_like(logp))
+    owned = step.blocks[0].inside if len(step.blocks) == 1 else local_target >= 0
+    return paddle.where(owned, logp, paddle.zeros_like(logp))
 
 
 def _loss(step, target_logp):
@@ -458,7 +475,7 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|): column j of buf is divided
         # by |W_j| before both GEMMs.
         buf = _to_centres(step, block, buf)
-        inv_w = step.inv_w[block.lo:block.hi]
+        inv_w = _rows(step.inv_w, block.lo, block.hi)
         scale = row_scale * margin.scale
         rhs = step.x_hat * scale
     else:

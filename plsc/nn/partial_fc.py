@@ -154,13 +154,15 @@ class PartialFC(nn.Layer):
             self._check_across_ranks(labels)
         global_labels = gather_concat(labels, self.group)
         # Labels outside [0, C) (possible with check_inputs "labels" or False) belong to no rank.
-        self._bad_labels = paddle.logical_or(global_labels < 0, global_labels >= self.num_classes)
+        safe = global_labels.clip(0, self.num_classes - 1)  # bad ones: -1 below anyway
+        self._bad_labels = safe != global_labels
         self._global_labels = global_labels
-        safe = paddle.where(self._bad_labels, paddle.zeros_like(global_labels), global_labels)
         local_target = paddle.where(self._bad_labels, paddle.full_like(global_labels, -1),
                                     self.partition.shard_labels(safe, self.rank))
         weight, bias, local_target = self._select_centres(local_target)
-        features = all_gather(embeddings.astype("float32"), self.group)
+        if embeddings.dtype != paddle.float32:
+            embeddings = embeddings.astype("float32")
+        features = all_gather(embeddings, self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         row_update = self.row_update
         if row_update is None and isinstance(weight, Int8Rows):
@@ -290,7 +292,8 @@ class PartialFC(nn.Layer):
                              f"got {list(embeddings.shape)}")
         if labels.dtype not in (paddle.int32, paddle.int64):
             raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-        labels = labels.reshape([-1]).astype("int64")
+        labels = labels.reshape([-1])
+        labels = labels if labels.dtype == paddle.int64 else labels.astype("int64")
         if labels.shape[0] != embeddings.shape[0]:
             raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")
         return labels
