@@ -230,3 +230,20 @@ def test_remove_row_components_device_equals_numpy(monkeypatch):
         got = cpu_kernels.remove_row_components_(paddle.to_tensor(g), paddle.to_tensor(w),
                                                  paddle.to_tensor(inv)).numpy()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_prelu_takes_paddles_op_on_the_device_set(monkeypatch):
+    """`plsc.models.prelu` asks the kernel switch: with PLSC_KERNELS=device its numpy kernel
+    (and the host read of the slopes that guards it) is not used, and the result is Paddle's."""
+    from plsc.models import prelu as pr
+    x = paddle.randn([2, 3, 4, 4])
+    a = paddle.to_tensor([0.25, 0.5, 0.1])
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "auto")
+    assert pr._fast_ok(x, a, "NCHW")  # the CPU set would take the numpy kernel
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device")
+    monkeypatch.setattr(pr._FastPReLU, "apply", lambda *args: pytest.fail("numpy PReLU ran"))
+    monkeypatch.setattr(paddle.Tensor, "numpy", lambda self: pytest.fail("host read"))
+    got = pr.prelu(x, a)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got.numpy(),
+                                  paddle.nn.functional.prelu(x, a).numpy())
