@@ -8,6 +8,10 @@ operator events, one profiler session a phase:
 - "nested": every operator event, nested ones (an op calling ops) included, grad-node wrappers
   not counted;
 - "kernels": kernel launch events (`DygraphKernelLaunch`), what a GPU would launch.
+"head_step" is forward + backward, "update" the optimizer's step. An 8-bit weight's update
+runs inside the backward (`fused_update`: no 8-bit gradient exists), so its "head_step"
+holds the update; "head_own" is then the head's forward + backward with a sink that does
+nothing.
 
 The heads: dense (sample_ratio 1, chunk_size 0), Partial FC 0.1 and chunked (blocks of
 `--chunk` classes), float32 / bfloat16 / int8 storage, SGD (SparseMomentum) and AdamW
@@ -126,7 +130,15 @@ def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=163
     result["step"] = {k: sum(result[p][k] for p in ("forward", "backward", "update"))
                       for k in ("top", "nested", "kernels")}
     result["head_step"] = {k: result["forward"][k] + result["backward"][k]
-                      for k in ("top", "nested", "kernels")}
+                           for k in ("top", "nested", "kernels")}
+    if fused:  # the update runs inside the backward: the head's own ops, with a null sink
+        def own():
+            head.row_update = lambda lo, hi, g_w, g_b: None
+            head(x, y).backward()
+            head.row_update = None
+            head.release_sampled_rows()
+            x.grad = None
+        result["head_own"] = count_ops(own)
     return result
 
 
@@ -165,6 +177,8 @@ def main(argv=None):
                         print(json.dumps({k: rows[-1][k] for k in
                                           ("kernels", "classes", "head", "dtype", "optimizer")}
                                          | {"head_top": counts["head_step"]["top"],
+                                            "head_own_top": counts.get("head_own",
+                                                                       {}).get("top"),
                                             "update_top": counts["update"]["top"],
                                             "step_top": counts["step"]["top"]}),
                               file=sys.stderr, flush=True)
