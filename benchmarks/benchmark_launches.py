@@ -14,7 +14,8 @@ holds the update; "head_own" is then the head's forward + backward with a sink t
 nothing.
 
 The heads: dense (sample_ratio 1, chunk_size 0), Partial FC 0.1 and chunked (blocks of
-`--chunk` classes), float32 / bfloat16 / int8 storage, SGD (SparseMomentum) and AdamW
+`--chunk` classes; PartialFC's default `check_inputs=True`, or `--check-inputs labels` as the
+trainer runs it), float32 / bfloat16 / int8 storage, SGD (SparseMomentum) and AdamW
 (SparseAdamW, stochastic rounding), at `--classes` classes (one rank), d = 512, batch 128, on
 the CPU kernel set and the device set (`PLSC_KERNELS=device`: Paddle ops only, what a GPU
 runs). One warm-up step first (creates the optimizer state). Prints JSON.
@@ -92,12 +93,14 @@ def optimizer(name, dtype):
                           rounding="stochastic")
 
 
-def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=16384, seed=0):
+def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=16384, seed=0,
+                check_inputs=True):
     """Counts of one step (after a warm-up step) split by phase, and the step's total."""
     kw = dict(HEADS[head_kind])
     if kw["chunk_size"] is None:
         kw["chunk_size"] = chunk
-    head = PartialFC(d, classes, ArcFace(), param_dtype=dtype, seed=seed, **kw)
+    head = PartialFC(d, classes, ArcFace(), param_dtype=dtype, seed=seed,
+                     check_inputs=check_inputs, **kw)
     opt = optimizer(opt_name, dtype)
     rng = np.random.RandomState(seed)
     x = paddle.to_tensor(rng.normal(size=(batch, d)).astype("float32"))
@@ -155,9 +158,13 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=16384, help="classes a block (chunked)")
     parser.add_argument("--embedding-size", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--check-inputs", default="true", choices=["labels", "true"],
+                        help="PartialFC's check_inputs: 'true' (its default: one small "
+                             "all-gather and read a step) or 'labels' (the trainer's: no read)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     paddle.set_device("cpu")
+    check_inputs = True if args.check_inputs == "true" else "labels"
     rows = []
     for kernels in args.kernel_sets:
         if kernels == "device":
@@ -170,7 +177,8 @@ def main(argv=None):
                     for opt in args.optimizers:
                         t0 = time.perf_counter()
                         counts = step_counts(head, dtype, opt, classes, args.embedding_size,
-                                             args.batch_size, args.chunk)
+                                             args.batch_size, args.chunk,
+                                             check_inputs=check_inputs)
                         rows.append(dict(kernels=kernels, classes=classes, head=head,
                                          dtype=dtype, optimizer=opt, **counts,
                                          seconds=round(time.perf_counter() - t0, 1)))
@@ -183,6 +191,7 @@ def main(argv=None):
                                             "step_top": counts["step"]["top"]}),
                               file=sys.stderr, flush=True)
     report = {"d": args.embedding_size, "batch": args.batch_size, "chunk": args.chunk,
+              "check_inputs": args.check_inputs,
               "paddle": paddle.__version__, "rows": rows}
     text = json.dumps(report, indent=1)
     if args.out:
