@@ -30,10 +30,10 @@ __all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "ap
 _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
 
 # The device set's passes make one temporary the size of their operand slab; a slab is at most
-# this many bytes (64 MiB: the head's weight-gradient slabs are never larger, so it is one slab
-# there; on a GPU a 64 MiB temporary is small against the step's working set and a launch per
-# 64 MiB is negligible, on the CPU the set is only run to test it).
-DEVICE_SLAB_BYTES = 64 << 20
+# this many bytes (1 GiB: the head's weight-gradient slabs on the device set are never larger,
+# so it is one slab there; on a GPU a launch per GiB is nothing and the temporary is small
+# against the card; on the CPU the set is only run to test it).
+DEVICE_SLAB_BYTES = 1 << 30
 
 _pools = {}
 _threads = 1  # threads of these kernels (Paddle's own default is 1)
@@ -238,7 +238,7 @@ def remove_row_components_(g, w, inv):
     if not (_in_place_ok(g, w, inv) and w.is_contiguous()):
         coef = (row_dot(w, g) * inv * inv).unsqueeze(1)
         step = device_slab_rows(g)
-        if step >= g.shape[0]:  # the head's slabs (at most 64 MiB) always: five ops
+        if step >= g.shape[0]:  # the head's slabs (at most 1 GiB) always: five ops
             return g.subtract_(w * coef)
         for i in range(0, g.shape[0], step):
             g[i:i + step].subtract_(w[i:i + step] * coef[i:i + step])

@@ -117,6 +117,7 @@ def test_column_slabs(monkeypatch):
     import plsc.nn.parallel_softmax as ps
     monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
     monkeypatch.setattr(ps, "_WGRAD_SLAB", 7)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 7 * 4 * 16)  # the device set's: 7 rows
     assert_errs(check_filtered("arcface", 101, 1.0, 0, n=12))
 
 

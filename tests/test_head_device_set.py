@@ -112,9 +112,8 @@ def test_chunked_count_is_constant_per_block(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dense_count_is_constant_per_slab(dtype, monkeypatch):
     """The dense path's backward (and, for 16-bit storage, its forward) works in slabs of
-    `_WGRAD_SLAB` rows when a block's float32 rows exceed `_WGRAD_BLOCK_BYTES`."""
-    monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 16 * 4 * 32)
-    monkeypatch.setattr(ps, "_WGRAD_SLAB", 32)
+    `_DEVICE_WGRAD_BYTES` (on the device set) when a block's float32 rows exceed it."""
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 16 * 4 * 32)  # 32 rows of d = 16
     counts = [_head_counts(32 * k, monkeypatch, dtype=dtype)[0] for k in (3, 4, 5)]
     assert counts[2] - counts[1] == counts[1] - counts[0] > 0, counts
 
@@ -145,17 +144,16 @@ def test_no_numpy_kernel_runs_on_the_device_set(monkeypatch):
 
 
 def test_wide_narrow_weight_is_read_a_slab_at_a_time(monkeypatch):
-    """Dense path, bfloat16 weight of C·d = 2^21 values (a float32 copy: 8 MiB), the slab
-    budgets lowered to 1 MiB: the allocator's peak during forward and backward (the gradient
-    rows handed to a sink, as to the fused update: no weight gradient array) stays below half
-    of that float32 copy; reading the shard whole (the 64 MiB budget) exceeds it. Measured with
+    """Dense path on the device set, bfloat16 weight of C·d = 2^21 values (a float32 copy:
+    8 MiB), the slab budget lowered to 1 MiB: the allocator's peak during forward and backward
+    (the gradient rows handed to a sink, as to the fused update: no weight gradient array)
+    stays below half of that float32 copy; reading the shard whole (a 64 MiB budget) exceeds
+    it. Measured with
     Paddle's host allocator statistics (`paddle.base.core.host_memory_stat_peak_value`),
     which count every Paddle CPU tensor (the device set makes only Paddle tensors)."""
     from paddle.base import core
     monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device")
-    monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 1 << 20)
-    monkeypatch.setattr(ps, "_WGRAD_SLAB", 1024)  # 1 MiB of float32 rows a slab
-    monkeypatch.setattr(ps, "SLAB_BYTES", 1 << 20)  # 1/|W|'s slabs (32 MiB: a wide shard's)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 1 << 20)  # slabs of 1 MiB of float32 rows
     c, d, n = 8192, 256, 8
     f32_copy = c * d * 4
     head = PartialFC(d, c, ArcFace(), chunk_size=0, param_dtype="bfloat16")
@@ -177,8 +175,7 @@ def test_wide_narrow_weight_is_read_a_slab_at_a_time(monkeypatch):
     assert extra < f32_copy // 2, (extra, f32_copy)
     assert sum(seen) == 2 * c and max(seen) < c  # every row's gradient, in slabs
     # and the test can fail: the whole block at once makes the float32 copy
-    monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 64 << 20)
-    monkeypatch.setattr(ps, "SLAB_BYTES", 32 << 20)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 64 << 20)
     head.workspace.clear()
     step()
     base = core.host_memory_stat_current_value("Allocated", 0)

@@ -54,6 +54,7 @@ def test_matches_dense_oracle_in_column_slabs(name, monkeypatch):
     import plsc.nn.parallel_softmax as ps
     monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
     monkeypatch.setattr(ps, "_WGRAD_SLAB", 7)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 7 * 4 * 16)  # the device set's: 7 rows
     margin = MARGINS[name]()
     x, y, w, b = make_case(seed=3, n=12, d=16, num_classes=101, margin=margin)
     got = run_head(margin, x, y, w, b)

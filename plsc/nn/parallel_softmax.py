@@ -51,7 +51,7 @@ import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_, put_columns_,
+from ..cpu_kernels import (applies, as_numpy, copy_columns, cpu_set, exp_shifted_, put_columns_,
                            remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
@@ -63,14 +63,30 @@ __all__ = ["parallel_softmax_cross_entropy"]
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
 _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
+# The device set's budget for the same (and for a narrow block's float32 rows): 1 GiB, a slab
+# of 1 GiB / (4·d) rows beyond it. On a GPU the ops are launches and a 1 GiB temporary is
+# small against the card; so a Partial FC step's sampled rows (at 1M classes a rank and ratio
+# 0.1, 200 MB at d = 512) are one slab, and its ops do not grow with the classes.
+_DEVICE_WGRAD_BYTES = 1 << 30
 _MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
 
-def _inv_row_norms(weight):
-    """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time."""
+def _wgrad_plan(cpu, d):
+    """(bytes a block's float32 weight gradient or rows may take at once, rows a slab beyond
+    that) on the CPU set (`cpu`) or the device set, for rows of width `d`."""
+    if cpu:
+        return _WGRAD_BLOCK_BYTES, _WGRAD_SLAB
+    return _DEVICE_WGRAD_BYTES, max(1, _DEVICE_WGRAD_BYTES // (4 * d))
+
+
+def _inv_row_norms(weight, cpu=True):
+    """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time
+    (`SLAB_BYTES` of float32 on the CPU set, `_DEVICE_WGRAD_BYTES` on the device set)."""
     if not isinstance(weight, Int8Rows) and weight.dtype == paddle.float32:
         return 1.0 / _row_norm(weight)
-    step = max(1, SLAB_BYTES // (4 * weight.shape[1]))
+    step = max(1, (SLAB_BYTES if cpu else _DEVICE_WGRAD_BYTES) // (4 * weight.shape[1]))
+    if step >= weight.shape[0]:
+        return 1.0 / _row_norm(_rows_f32(weight))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
                           for i in range(0, weight.shape[0], step)])
 
@@ -99,20 +115,22 @@ def _row_norm(x):
 class _BlockRows:
     """The float32 rows [lo, hi) of the weight, as the GEMMs read them: the block at once (a view
     of a float32 weight; a narrower block upcast whole while its float32 copy takes at most
-    `_WGRAD_BLOCK_BYTES`), else a slab of `_WGRAD_SLAB` rows at a time, read when asked for,
+    `_WGRAD_BLOCK_BYTES`, on the device set `_DEVICE_WGRAD_BYTES`), else a slab of
+    `_WGRAD_SLAB` rows (device set: that budget's) at a time, read when asked for,
     so no float32 copy of a wide 16- or 8-bit block (the dense path's whole shard) exists."""
 
-    def __init__(self, weight, lo, hi):
+    def __init__(self, step, weight, lo, hi):
         self.weight, self.lo, self.hi = weight, lo, hi
+        budget, self.slab = _wgrad_plan(step.cpu, weight.shape[1])
         narrow = isinstance(weight, Int8Rows) or weight.dtype != paddle.float32
-        self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= _WGRAD_BLOCK_BYTES
+        self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= budget
         whole_shard = (lo, hi) == (0, weight.shape[0])  # no slice op
         self.rows = None if not self.whole else \
             _rows_f32(weight) if whole_shard else _rows_f32(weight, lo, hi)
 
     def slabs(self):
         """(a, b) bounds of the slabs the rows are read in, relative to `lo`."""
-        step = self.hi - self.lo if self.whole else _WGRAD_SLAB
+        step = self.hi - self.lo if self.whole else self.slab
         return [(a, min(a + step, self.hi - self.lo)) for a in range(0, self.hi - self.lo, step)]
 
     def get(self, a, b):
@@ -197,7 +215,7 @@ class _Step:
     __slots__ = ("margin", "group", "chunk_size", "workspace", "grad_into_weight", "row_update",
                  "sub_centers", "filter_above", "n", "weight", "bias", "blocks", "need_x",
                  "need_w", "features", "x_norm", "x_hat", "x_scaled", "inv_w", "row_max",
-                 "sum_exp", "exp_logits", "d_w", "sink", "d_b",
+                 "sum_exp", "exp_logits", "d_w", "sink", "d_b", "cpu",
                  "__weakref__")  # a weak reference: the workspace's owner
 
     def __init__(self, margin, group, chunk_size, workspace, grad_into_weight, row_update,
@@ -209,6 +227,7 @@ class _Step:
         self.features = self.x_norm = self.x_hat = self.x_scaled = self.inv_w = None
         self.row_max = self.sum_exp = self.exp_logits = None
         self.d_w = self.sink = self.d_b = None
+        self.cpu = True
 
 
 def _lend(step, name, shape, dtype="float32"):
@@ -332,12 +351,13 @@ def _gather(step, features, weight, bias, local_target):
     """Gather: the gathered batch as the logits read it (cosines: |x|, x̂, s·x̂, 1/|W| and the
     margin for this batch), the blocks of classes, which inputs want a gradient."""
     step.n, step.weight, step.bias = features.shape[0], weight, bias
+    step.cpu = cpu_set(features)  # the kernel set of this call (slab budgets)
     if step.margin.normalized:
         step.x_norm = _row_norm(features)
         step.margin = step.margin.for_batch(step.x_norm)
         step.x_hat = features / step.x_norm.unsqueeze(1)
         step.x_scaled = step.x_hat * step.margin.scale
-        step.inv_w = _inv_row_norms(weight)
+        step.inv_w = _inv_row_norms(weight, step.cpu)
     else:
         step.features = features
     step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
@@ -356,7 +376,7 @@ def _logits(step, dtype):
     the global max)."""
     blocks, weight, bias = step.blocks, step.weight, step.bias
     if len(blocks) == 1:
-        w = _BlockRows(weight, 0, weight.shape[0])
+        w = _BlockRows(step, weight, 0, weight.shape[0])
         logits, target_logit = _block_logits(step, blocks[0], w, bias)
         step.exp_logits = logits
         return target_logit, row_max_of(logits), None
@@ -364,7 +384,7 @@ def _logits(step, dtype):
     run_sum = paddle.zeros([step.n], dtype=dtype)
     target_logit = paddle.zeros([step.n], dtype=dtype)
     for block in blocks:
-        w = _BlockRows(weight, block.lo, block.hi)
+        w = _BlockRows(step, weight, block.lo, block.hi)
         logits, t = _block_logits(step, block, w, bias)
         block.pick = block.clamped = None  # the backward finds them again
         target_logit = paddle.where(block.inside, t, target_logit)
@@ -485,7 +505,7 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
                       out=step.d_b[block.start:block.stop])
     d_x_block = None
-    for lo, hi, part in _slabs(buf, inv_w, rhs.shape[1]):
+    for lo, hi, part in _slabs(step, buf, inv_w, rhs.shape[1]):
         rows = w.get(lo, hi)
         if d_x is not None:
             prod = paddle.matmul(part, rows)
@@ -497,7 +517,7 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         d_x.add_(d_x_block * scale)
 
 
-def _slabs(buf, inv_w, d):
+def _slabs(step, buf, inv_w, d):
     """(lo, hi, columns [lo, hi) of `buf` times `inv_w[lo:hi]`) over the block: the whole
     block, scaled in place, when its weight gradient takes at most `_WGRAD_BLOCK_BYTES`
     (64 MiB); else slabs of `_WGRAD_SLAB` columns, each scaled into one contiguous scratch
@@ -506,12 +526,13 @@ def _slabs(buf, inv_w, d):
     into `step.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
     (MKL's AVX2 kernels round a row differently for different row counts)."""
     width = buf.shape[1]
-    if width * d * 4 <= _WGRAD_BLOCK_BYTES:
+    budget, slab = _wgrad_plan(step.cpu, d)
+    if width * d * 4 <= budget:
         yield 0, width, buf if inv_w is None else scale_columns_(buf, inv_w)
         return
     scratch = None  # one slab's copy, reused while the slab width stays the same
-    for lo in range(0, width, _WGRAD_SLAB):
-        hi = min(lo + _WGRAD_SLAB, width)
+    for lo in range(0, width, slab):
+        hi = min(lo + slab, width)
         scratch = copy_columns(buf, lo, hi, None if inv_w is None else inv_w[lo:hi],
                                out=scratch)
         yield lo, hi, scratch
@@ -590,7 +611,7 @@ class _ParallelSoftmaxCE(PyLayer):
         row_scale = _loss_grad(step, grad)
         d_x, d_w = _open_grads(step, grad.shape[0])
         for block in step.blocks:  # the chunked path recomputes the logits it dropped
-            w = _BlockRows(step.weight, block.lo, block.hi)
+            w = _BlockRows(step, step.weight, block.lo, block.hi)
             buf = _sum_grad(step, block, w)
             _target_grad(step, block, buf)
             _logits_grad(step, block, buf, w, row_scale, d_x)
