@@ -51,7 +51,8 @@ import paddle
 from paddle import _C_ops
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import (applies, as_numpy, copy_columns, cpu_set, exp_shifted_, put_columns_,
+from ..cpu_kernels import (DEVICE_SLAB_BYTES, applies, as_numpy, copy_columns, cpu_set,
+                           exp_shifted_, put_columns_,
                            remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
@@ -67,7 +68,7 @@ _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is on
 # of 1 GiB / (4·d) rows beyond it. On a GPU the ops are launches and a 1 GiB temporary is
 # small against the card; so a Partial FC step's sampled rows (at 1M classes a rank and ratio
 # 0.1, 200 MB at d = 512) are one slab, and its ops do not grow with the classes.
-_DEVICE_WGRAD_BYTES = 1 << 30
+_DEVICE_WGRAD_BYTES = DEVICE_SLAB_BYTES
 _MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
 

@@ -6,7 +6,7 @@ import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
-from ..cpu_kernels import take_rows
+from ..cpu_kernels import DEVICE_SLAB_BYTES, cpu_set, take_rows
 from ..numerics import SLAB_BYTES, cast_nearest
 from ..quantized import HEAD_DTYPES, Int8Rows, take_f32
 from ..loss import ArcFace, Margin
@@ -208,7 +208,8 @@ class PartialFC(nn.Layer):
     def _gather_rows(self, name, param, index):
         """Rows `index` of `param`, float32, as a new leaf (written into a lent buffer when
         there is one), so the gradient is `[num_sample, ...]`, never the whole shard's. 16-bit
-        rows are gathered and upcast a slab at a time into the float32 rows."""
+        rows are gathered and upcast a slab at a time into the float32 rows (`SLAB_BYTES` of
+        them on the CPU set, `DEVICE_SLAB_BYTES` on the device set)."""
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
         source = param if isinstance(param, Int8Rows) else param.detach()
@@ -217,7 +218,8 @@ class PartialFC(nn.Layer):
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
-            step = max(1, SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
+            budget = SLAB_BYTES if cpu_set(index) else DEVICE_SLAB_BYTES
+            step = max(1, budget // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
                 rows[lo:lo + part.shape[0]] = take_f32(source, part)
