@@ -98,10 +98,19 @@ def _head_counts(classes, monkeypatch, d=16, batch=8, ratio=1.0, chunk=0, opt=No
     return counts, count_ops(update)["top"]
 
 
-def test_partial_fc_count_does_not_grow_with_the_classes(monkeypatch):
-    small = _head_counts(2_000, monkeypatch, ratio=0.1)[0]
-    large = _head_counts(50_000, monkeypatch, ratio=0.1)[0]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_partial_fc_count_does_not_grow_with_the_classes(dtype, monkeypatch):
+    """Its sampled rows are one slab of the device budget (here lowered so that the larger
+    shard's 5,000 rows of d = 16 are just inside it, the narrow gather included)."""
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 5_000 * 16 * 4)
+    monkeypatch.setattr(cpu_kernels, "DEVICE_SLAB_BYTES", 5_000 * 16 * 4)
+    import plsc.nn.partial_fc as pfc
+    monkeypatch.setattr(pfc, "DEVICE_SLAB_BYTES", 5_000 * 16 * 4)
+    small = _head_counts(2_000, monkeypatch, ratio=0.1, dtype=dtype)[0]
+    large = _head_counts(50_000, monkeypatch, ratio=0.1, dtype=dtype)[0]
     assert small == large, (small, large)
+    # beyond the budget the count grows a slab at a time
+    assert _head_counts(100_000, monkeypatch, ratio=0.1, dtype=dtype)[0] > large
 
 
 def test_chunked_count_is_constant_per_block(monkeypatch):
