@@ -22,11 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 
-__all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies", "as_numpy", "run_rows", "row_dot", "scale_columns_", "copy_columns",
+__all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies", "as_numpy", "run_rows", "device_slab_rows", "DEVICE_SLAB_BYTES",
+           "row_dot", "scale_columns_", "copy_columns", "put_columns_",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
            "finite_flag"]
 
 _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
+
+# The device set's passes make one temporary the size of their operand slab; a slab is at most
+# this many bytes (1 GiB: the head's weight-gradient slabs on the device set are never larger,
+# so it is one slab there; on a GPU a launch per GiB is nothing and the temporary is small
+# against the card; on the CPU the set is only run to test it).
+DEVICE_SLAB_BYTES = 1 << 30
 
 _pools = {}
 _threads = 1  # threads of these kernels (Paddle's own default is 1)
@@ -116,6 +123,12 @@ def _load_vs_exp():
     return fn
 
 
+def device_slab_rows(t):
+    """Rows of `t` ([n, ...]) a device-set pass takes at a time (`DEVICE_SLAB_BYTES`)."""
+    width = max(1, t.size // max(1, t.shape[0])) if t.ndim > 1 else 1
+    return max(1, DEVICE_SLAB_BYTES // (4 * width))
+
+
 def _step(t):
     return max(1, _SLAB_FLOATS // max(1, t.shape[1]))
 
@@ -168,6 +181,21 @@ def copy_columns(buf, lo, hi, scale=None, out=None):
     return out
 
 
+def put_columns_(buf, lo, part):
+    """buf[:, lo:lo + m] = part in place (`buf`: [n, w], `part`: [n, m], float32); returns
+    `buf`. The inverse of `copy_columns`."""
+    if not (_in_place_ok(buf) and applies(part)):
+        buf[:, lo:lo + part.shape[1]] = part
+        return buf
+    b, p = as_numpy(buf), as_numpy(part)
+    hi = lo + part.shape[1]
+
+    def rows(r0, r1):
+        b[r0:r1, lo:hi] = p[r0:r1]
+    run_rows(rows, buf.shape[0], max(1, _SLAB_FLOATS // part.shape[1]))
+    return buf
+
+
 def row_max(buf):
     """`[n]` largest entry of each row of `buf` ([n, m])."""
     if not applies(buf):
@@ -209,7 +237,9 @@ def remove_row_components_(g, w, inv):
     `inv`: [n]): with inv = 1/|w|, the part of each row of `g` along its row of `w` removed."""
     if not (_in_place_ok(g, w, inv) and w.is_contiguous()):
         coef = (row_dot(w, g) * inv * inv).unsqueeze(1)
-        step = max(1, _SLAB_FLOATS // max(1, g.shape[1]))
+        step = device_slab_rows(g)
+        if step >= g.shape[0]:  # the head's slabs (at most 1 GiB) always: five ops
+            return g.subtract_(w * coef)
         for i in range(0, g.shape[0], step):
             g[i:i + step].subtract_(w[i:i + step] * coef[i:i + step])
         return g

@@ -1,15 +1,28 @@
-"""Run a test module on both kernel sets: `from kernel_sets import both_kernel_sets  # noqa`
-makes every test of the module run once with the CPU set (numpy kernels on CPU tensors) and
-once with `PLSC_KERNELS=device` (Paddle ops only, what a GPU runs)."""
+"""Run tests on both kernel sets: the CPU set (numpy kernels on CPU tensors) and the device set
+(`PLSC_KERNELS=device`: Paddle ops only, what a GPU runs; `plsc.cpu_kernels.cpu_set`).
+
+- `from kernel_sets import both_kernel_sets  # noqa` runs every test of a module on both;
+- `from kernel_sets import kernels` with `pytestmark = pytest.mark.usefixtures("kernels")`
+  does the same, and a test can take `kernels` as an argument to learn its set."""
 import pytest
 
 from plsc.cpu_kernels import KERNELS_ENV
 
+KERNEL_SETS = ("cpu", "device")
 
-@pytest.fixture(autouse=True, params=["cpu", "device"])
+
+def _use(monkeypatch, kernel_set):
+    monkeypatch.setenv(KERNELS_ENV, "device" if kernel_set == "device" else "auto")
+    return kernel_set
+
+
+@pytest.fixture(params=KERNEL_SETS)
+def kernels(request, monkeypatch):
+    """The kernel set the test runs on ("cpu" or "device")."""
+    return _use(monkeypatch, request.param)
+
+
+@pytest.fixture(autouse=True, params=KERNEL_SETS)
 def both_kernel_sets(request, monkeypatch):
-    if request.param == "device":
-        monkeypatch.setenv(KERNELS_ENV, "device")
-    else:
-        monkeypatch.delenv(KERNELS_ENV, raising=False)
-    return request.param
+    """Every test of the importing module, once on each kernel set."""
+    return _use(monkeypatch, request.param)

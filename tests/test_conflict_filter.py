@@ -17,6 +17,9 @@ from plsc.loss import ArcFace, CosFace, Softmax
 from plsc.nn import PartialFC
 from plsc.nn.parallel_softmax import filter_bound, parallel_softmax_cross_entropy
 from test_head_single import run_head
+from kernel_sets import kernels  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN_NAMES = ("arcface", "arcface_st", "cosface", "sphereface", "combined", "adaface")
@@ -114,6 +117,7 @@ def test_column_slabs(monkeypatch):
     import plsc.nn.parallel_softmax as ps
     monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
     monkeypatch.setattr(ps, "_WGRAD_SLAB", 7)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 7 * 4 * 16)  # the device set's: 7 rows
     assert_errs(check_filtered("arcface", 101, 1.0, 0, n=12))
 
 

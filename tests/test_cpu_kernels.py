@@ -149,9 +149,9 @@ def test_keep_freed_memory_reuses_large_blocks_and_can_be_left_off():
 
 @pytest.fixture(params=["numpy", "paddle"])
 def path(request, monkeypatch):
-    """Each head kernel on its numpy path and on Paddle's ops (as on other devices)."""
-    if request.param == "paddle":
-        monkeypatch.setattr(cpu_kernels, "applies", lambda *tensors, **kw: False)
+    """Each head kernel on its numpy path (the CPU set) and on Paddle's ops (the device set,
+    as on other devices), whatever PLSC_KERNELS says outside."""
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device" if request.param == "paddle" else "auto")
     return request.param
 
 
@@ -288,3 +288,17 @@ def test_copy_columns_against_numpy(path, threads):
         other = cpu_kernels.copy_columns(t, 0, 7, s[:7], out=plain)  # another width: new
         assert np.array_equal(other.numpy(), buf[:, :7] * scale[:7])
     assert np.array_equal(t.numpy(), buf)  # the source is untouched
+
+
+def test_put_columns_against_numpy(path, threads):
+    """A column slab written into a wider array in place, the other columns untouched."""
+    rng = np.random.default_rng(8)
+    buf = rng.standard_normal([37, 500]).astype(np.float32)
+    part = rng.standard_normal([37, 130]).astype(np.float32)
+    for n in (1, 2):
+        threads(n)
+        t = paddle.to_tensor(buf)
+        got = cpu_kernels.put_columns_(t, 100, paddle.to_tensor(part))
+        want = buf.copy()
+        want[:, 100:230] = part
+        assert got is t and np.array_equal(t.numpy(), want)

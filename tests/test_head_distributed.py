@@ -31,8 +31,12 @@ def report(world_size, tmp_path_factory):
     return _reports[world_size]
 
 
-def case(world_size, name, tmp_path_factory):
-    result = report(world_size, tmp_path_factory)[name]
+KERNEL_SETS = ("cpu", "device")  # the device set's cases: head_ranks.DEVICE + name
+
+
+def case(world_size, name, tmp_path_factory, kernels="cpu"):
+    from head_ranks import DEVICE
+    result = report(world_size, tmp_path_factory)[(DEVICE if kernels == "device" else "") + name]
     assert result is not None
     if "error" in result:
         pytest.fail(result["error"])
@@ -46,8 +50,9 @@ def _oracle_cases():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", _oracle_cases())
-def test_head_matches_oracles(world_size, name, tmp_path_factory):
-    errs = case(world_size, name, tmp_path_factory)
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_head_matches_oracles(world_size, name, kernels, tmp_path_factory):
+    errs = case(world_size, name, tmp_path_factory, kernels)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)
 
@@ -88,10 +93,11 @@ def _fused_cases():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", _dtype_cases())
-def test_narrow_head_matches_float32_head(world_size, name, tmp_path_factory):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_narrow_head_matches_float32_head(world_size, name, kernels, tmp_path_factory):
     """bfloat16/float16 storage vs the float32 head on the same rounded values (and vs the
     float64 oracle on them): loss, embedding and sampled-row gradients within 1e-5."""
-    errs = case(world_size, name, tmp_path_factory)
+    errs = case(world_size, name, tmp_path_factory, kernels)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)
 
@@ -118,12 +124,13 @@ def _issue13_cases():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", _issue13_cases())
-def test_adaface_and_subcenters_match_oracle(world_size, name, tmp_path_factory):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_adaface_and_subcenters_match_oracle(world_size, name, kernels, tmp_path_factory):
     """AdaFace on data hitting every clamp (dense, chunked, Partial FC; the running statistics
     after one and after three steps, then eval mode) and sub-centres (K = 2 ArcFace dense and
     chunked, K = 3 CosFace with Partial FC; ties between centres) on uneven class splits,
     against the float64 oracle on rank 0."""
-    errs = case(world_size, name, tmp_path_factory)
+    errs = case(world_size, name, tmp_path_factory, kernels)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)
 
@@ -135,11 +142,12 @@ def _filter_cases():
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", _filter_cases())
-def test_interclass_filtering_matches_oracle(world_size, name, tmp_path_factory):
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_interclass_filtering_matches_oracle(world_size, name, kernels, tmp_path_factory):
     """Inter-class filtering (Partial FC 0.5 ArcFace; chunked CosFace with K = 2 sub-centres;
     AdaFace, whose clamp shares the mask) against the float64 oracle on rank 0, every rank's
     (sampled) classes holding filtered entries, targets above the threshold, and the filter
     moving loss and gradients 100 times beyond the tolerance (head_ranks.check_filtered)."""
-    errs = case(world_size, name, tmp_path_factory)
+    errs = case(world_size, name, tmp_path_factory, kernels)
     for key, (err, allowed) in errs.items():
         assert err <= allowed, (key, err, allowed)

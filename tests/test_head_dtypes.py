@@ -17,6 +17,9 @@ from oracles import dense_reference, make_case
 from plsc.loss import ArcFace, Softmax
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
+from kernel_sets import kernels  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 
 @pytest.mark.parametrize("dtype,margin,classes,ratio,chunk", dtype_cases(),
@@ -34,6 +37,7 @@ def test_fused_update_equals_separate_bit_for_bit(opt, margin, classes, ratio, c
     if classes >= 4096:  # the wide-block path, in 4,096-class slabs, on a small head
         import plsc.nn.parallel_softmax as ps
         monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
+        monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 4096 * 4 * 16)  # device set: 4,096 rows
     result = check_fused_vs_separate(opt, margins()[margin], classes, ratio, chunk, dtype)
     assert len(result["weight"]) == 1 and "fused_left_a_gradient" in result
     assert not fused_failures(result), fused_failures(result)

@@ -6,6 +6,9 @@ import pytest
 from oracles import compare, dense_reference, make_case, published_margin, rel_err
 from plsc.loss import ArcFace, CombinedMargin, CosFace, Softmax
 from plsc.nn import PartialFC
+from kernel_sets import kernels  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 MARGINS = {  # the named margins at their defaults: the oracle uses the published parameters
     "arcface": lambda: published_margin("ArcFace"),
@@ -51,6 +54,7 @@ def test_matches_dense_oracle_in_column_slabs(name, monkeypatch):
     import plsc.nn.parallel_softmax as ps
     monkeypatch.setattr(ps, "_WGRAD_BLOCK_BYTES", 0)
     monkeypatch.setattr(ps, "_WGRAD_SLAB", 7)
+    monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 7 * 4 * 16)  # the device set's: 7 rows
     margin = MARGINS[name]()
     x, y, w, b = make_case(seed=3, n=12, d=16, num_classes=101, margin=margin)
     got = run_head(margin, x, y, w, b)

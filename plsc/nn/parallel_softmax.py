@@ -48,13 +48,15 @@ at a time sum and max → target → logits, then gather (`_loss_grad` … `_gat
 """
 import numpy as np
 import paddle
+from paddle import _C_ops
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import (applies, as_numpy, copy_columns, exp_shifted_,
+from ..cpu_kernels import (DEVICE_SLAB_BYTES, applies, as_numpy, copy_columns, cpu_set,
+                           exp_shifted_, put_columns_,
                            remove_row_components_, row_dot, run_rows, scale_columns_)
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
-from ..numerics import SLAB_BYTES, sqrt_exact
+from ..numerics import SLAB_BYTES, cast_nearest, sqrt_exact
 from ..quantized import Int8Rows
 from ..storage import read as _rows_f32
 
@@ -63,14 +65,30 @@ __all__ = ["parallel_softmax_cross_entropy"]
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
 _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
+# The device set's budget for the same (and for a narrow block's float32 rows): 1 GiB, a slab
+# of 1 GiB / (4·d) rows beyond it. On a GPU the ops are launches and a 1 GiB temporary is
+# small against the card; so a Partial FC step's sampled rows (at 1M classes a rank and ratio
+# 0.1, 200 MB at d = 512) are one slab, and its ops do not grow with the classes.
+_DEVICE_WGRAD_BYTES = DEVICE_SLAB_BYTES
 _MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
 
-def _inv_row_norms(weight):
-    """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time."""
+def _wgrad_plan(cpu, d):
+    """(bytes a block's float32 weight gradient or rows may take at once, rows a slab beyond
+    that) on the CPU set (`cpu`) or the device set, for rows of width `d`."""
+    if cpu:
+        return _WGRAD_BLOCK_BYTES, _WGRAD_SLAB
+    return _DEVICE_WGRAD_BYTES, max(1, _DEVICE_WGRAD_BYTES // (4 * d))
+
+
+def _inv_row_norms(weight, cpu=True):
+    """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time
+    (`SLAB_BYTES` of float32 on the CPU set, `_DEVICE_WGRAD_BYTES` on the device set)."""
     if not isinstance(weight, Int8Rows) and weight.dtype == paddle.float32:
         return 1.0 / _row_norm(weight)
-    step = max(1, SLAB_BYTES // (4 * weight.shape[1]))
+    step = max(1, (SLAB_BYTES if cpu else _DEVICE_WGRAD_BYTES) // (4 * weight.shape[1]))
+    if step >= weight.shape[0]:
+        return 1.0 / _row_norm(_rows_f32(weight))
     return paddle.concat([1.0 / _row_norm(_rows_f32(weight, i, i + step))
                           for i in range(0, weight.shape[0], step)])
 
@@ -96,6 +114,58 @@ def _row_norm(x):
     return sqrt_exact(row_dot(x, x)).clip(min=_NORM_EPS)
 
 
+class _BlockRows:
+    """The float32 rows [lo, hi) of the weight, as the GEMMs read them: the block at once (a view
+    of a float32 weight; a narrower block upcast whole while its float32 copy takes at most
+    `_WGRAD_BLOCK_BYTES`, on the device set `_DEVICE_WGRAD_BYTES`), else a slab of
+    `_WGRAD_SLAB` rows (device set: that budget's) at a time, read when asked for,
+    so no float32 copy of a wide 16- or 8-bit block (the dense path's whole shard) exists."""
+
+    def __init__(self, step, weight, lo, hi):
+        self.weight, self.lo, self.hi = weight, lo, hi
+        budget, self.slab = _wgrad_plan(step.cpu, weight.shape[1])
+        narrow = isinstance(weight, Int8Rows) or weight.dtype != paddle.float32
+        self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= budget
+        whole_shard = (lo, hi) == (0, weight.shape[0])  # no slice op
+        self.rows = None if not self.whole else \
+            _rows_f32(weight) if whole_shard else _rows_f32(weight, lo, hi)
+
+    def slabs(self):
+        """(a, b) bounds of the slabs the rows are read in, relative to `lo`."""
+        step = self.hi - self.lo if self.whole else self.slab
+        return [(a, min(a + step, self.hi - self.lo)) for a in range(0, self.hi - self.lo, step)]
+
+    def get(self, a, b):
+        """Rows [lo + a, lo + b) as float32."""
+        if self.rows is not None:
+            return self.rows if (a, b) == (0, self.hi - self.lo) else self.rows[a:b]
+        return _rows_f32(self.weight, self.lo + a, self.lo + b)
+
+
+def _rows(t, lo, hi):
+    """t[lo:hi], or `t` itself when that is all of it (no slice op)."""
+    return t if (lo, hi) == (0, t.shape[0]) else t[lo:hi]
+
+
+def put_along_(buf, index, values, axis):
+    """buf[index] = values along `axis` in place (`index` in range, same rank as `buf`):
+    Paddle's op without `Tensor.put_along_axis_`'s bounds check, which reads
+    `(index < size).all()` back to the host (a device sync) on every call."""
+    return _C_ops.put_along_axis_(buf, index, values, axis, "assign", True)
+
+
+def _matmul_rows(x, w, out):
+    """x·wᵀ (`w`: a `_BlockRows`) into `out` when given ([N, rows]); a wide narrow block a slab
+    of rows at a time, each slab's columns copied into the output."""
+    if w.whole:
+        return paddle.matmul(x, w.rows, transpose_y=True, out=out)
+    if out is None:
+        out = paddle.empty([x.shape[0], w.hi - w.lo], dtype="float32")
+    for a, b in w.slabs():
+        put_columns_(out, a, paddle.matmul(x, w.get(a, b), transpose_y=True))
+    return out
+
+
 class _Block:
     """The classes [start, stop) of this rank's shard (weight rows [lo, hi): `sub_centers` rows
     a class), and each row's target column in it.
@@ -109,8 +179,11 @@ class _Block:
         self.buffer = f"logits[{stop - start}]"  # workspace names: one buffer per block width
         self.centre_buffer = f"centres[{self.hi - self.lo}]"
         self.mask_buffer = f"filtered[{stop - start}]"
-        self.inside = paddle.logical_and(local_target >= start, local_target < stop)
-        self.col = paddle.clip(local_target - start, 0, stop - start - 1).unsqueeze(1)
+        # inside: start <= target < stop, i.e. the column is unchanged by the clip
+        offset = local_target - start if start else local_target
+        col = paddle.clip(offset, 0, stop - start - 1)
+        self.inside = col == offset
+        self.col = col.unsqueeze(1)
         self.cos_t = self.pick = self.clamped = None
 
     def take(self, buf):
@@ -119,8 +192,7 @@ class _Block:
 
     def put_(self, buf, value, old):
         """Write `value` at the target entries of the rows inside this block, in place."""
-        buf.put_along_axis_(self.col, paddle.where(self.inside, value, old).unsqueeze(1), 1,
-                            broadcast=False)
+        put_along_(buf, self.col, paddle.where(self.inside, value, old).unsqueeze(1), 1)
 
 
 def _blocks(local_target, num_classes, chunk_size, sub_centers):
@@ -145,7 +217,7 @@ class _Step:
     __slots__ = ("margin", "group", "chunk_size", "workspace", "grad_into_weight", "row_update",
                  "sub_centers", "filter_above", "n", "weight", "bias", "blocks", "need_x",
                  "need_w", "features", "x_norm", "x_hat", "x_scaled", "inv_w", "row_max",
-                 "sum_exp", "exp_logits", "d_w", "sink", "d_b",
+                 "sum_exp", "exp_logits", "d_w", "sink", "d_b", "cpu",
                  "__weakref__")  # a weak reference: the workspace's owner
 
     def __init__(self, margin, group, chunk_size, workspace, grad_into_weight, row_update,
@@ -157,6 +229,7 @@ class _Step:
         self.features = self.x_norm = self.x_hat = self.x_scaled = self.inv_w = None
         self.row_max = self.sum_exp = self.exp_logits = None
         self.d_w = self.sink = self.d_b = None
+        self.cpu = True
 
 
 def _lend(step, name, shape, dtype="float32"):
@@ -185,8 +258,7 @@ def _to_centres(step, block, buf):
     width, k = block.stop - block.start, step.sub_centers
     out = _lend(step, block.centre_buffer, [step.n, width * k])
     out = paddle.zeros([step.n, width * k], "float32") if out is None else out.zero_()
-    out.reshape([step.n, width, k]).put_along_axis_(block.pick.astype("int64"),
-                                                     buf.unsqueeze(2), 2, broadcast=False)
+    put_along_(out.reshape([step.n, width, k]), block.pick.astype("int64"), buf.unsqueeze(2), 2)
     block.pick = None
     return out
 
@@ -252,24 +324,23 @@ def _zero_clamped_(step, block, exp_logits):
 
 
 def _block_logits(step, block, w, bias):
-    """Logits of one block (`w`: its float32 weight rows; margin applied to its targets), written
+    """Logits of one block (`w`: its weight rows, a `_BlockRows`; margin applied to its targets), written
     into the workspace's buffer for blocks of this width when it lends one; returns (logits,
     `[N]` target logits, meaningful for the rows whose target is inside the block)."""
     margin = step.margin
     if margin.normalized:
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
         name = block.buffer if step.sub_centers == 1 else block.centre_buffer
-        cos = paddle.matmul(step.x_scaled, w, transpose_y=True,
-                            out=_lend(step, name, [step.n, block.hi - block.lo]))
-        scale_columns_(cos, step.inv_w[block.lo:block.hi])
+        cos = _matmul_rows(step.x_scaled, w, _lend(step, name, [step.n, block.hi - block.lo]))
+        scale_columns_(cos, _rows(step.inv_w, block.lo, block.hi))
         logits = _class_max(step, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
         target_logit = margin.target_logit(block.cos_t)
         block.put_(logits, target_logit, _filter_and_clamp_(step, block, logits, plain))
     else:
-        logits = paddle.matmul(step.features, w, transpose_y=True,
-                               out=_lend(step, block.buffer, [step.n, block.stop - block.start]))
+        logits = _matmul_rows(step.features, w,
+                              _lend(step, block.buffer, [step.n, block.stop - block.start]))
         if bias is not None:
             logits.add_(_rows_f32(bias, block.start, block.stop))
         target_logit = block.take(logits)
@@ -282,12 +353,13 @@ def _gather(step, features, weight, bias, local_target):
     """Gather: the gathered batch as the logits read it (cosines: |x|, x̂, s·x̂, 1/|W| and the
     margin for this batch), the blocks of classes, which inputs want a gradient."""
     step.n, step.weight, step.bias = features.shape[0], weight, bias
+    step.cpu = cpu_set(features)  # the kernel set of this call (slab budgets)
     if step.margin.normalized:
         step.x_norm = _row_norm(features)
         step.margin = step.margin.for_batch(step.x_norm)
         step.x_hat = features / step.x_norm.unsqueeze(1)
         step.x_scaled = step.x_hat * step.margin.scale
-        step.inv_w = _inv_row_norms(weight)
+        step.inv_w = _inv_row_norms(weight, step.cpu)
     else:
         step.features = features
     step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
@@ -306,14 +378,15 @@ def _logits(step, dtype):
     the global max)."""
     blocks, weight, bias = step.blocks, step.weight, step.bias
     if len(blocks) == 1:
-        logits, target_logit = _block_logits(step, blocks[0], _rows_f32(weight), bias)
+        w = _BlockRows(step, weight, 0, weight.shape[0])
+        logits, target_logit = _block_logits(step, blocks[0], w, bias)
         step.exp_logits = logits
         return target_logit, row_max_of(logits), None
     run_max = paddle.full([step.n], float("-inf"), dtype=dtype)
     run_sum = paddle.zeros([step.n], dtype=dtype)
     target_logit = paddle.zeros([step.n], dtype=dtype)
     for block in blocks:
-        w = _rows_f32(weight, block.lo, block.hi)
+        w = _BlockRows(step, weight, block.lo, block.hi)
         logits, t = _block_logits(step, block, w, bias)
         block.pick = block.clamped = None  # the backward finds them again
         target_logit = paddle.where(block.inside, t, target_logit)
@@ -348,7 +421,8 @@ def _sum(step, local_max, local_sum):
 def _target(step, target_logit, local_target):
     """Target: log p[target] on the rank that owns the label, 0 elsewhere."""
     logp = target_logit - step.row_max - paddle.log(step.sum_exp)
-    return paddle.where(local_target >= 0, logp, paddle.zeros_like(logp))
+    owned = step.blocks[0].inside if len(step.blocks) == 1 else local_target >= 0
+    return paddle.where(owned, logp, paddle.zeros_like(logp))
 
 
 def _loss(step, target_logp):
@@ -381,6 +455,9 @@ def _open_grads(step, n):
         step.sink = step.row_update
     elif step.need_w and step.grad_into_weight:
         step.sink, d_w = _over_weight(weight), weight
+    elif step.need_w and weight.dtype != paddle.float32:  # a 16-bit gradient, slab by slab
+        d_w = paddle.empty(weight.shape, dtype=weight.dtype)
+        step.sink = _into_narrow(d_w)
     elif step.need_w:
         step.d_w = d_w = paddle.empty(weight.shape, dtype="float32")
     return d_x, d_w
@@ -410,7 +487,7 @@ def _target_grad(step, block, buf):
 
 
 def _logits_grad(step, block, buf, w, row_scale, d_x):
-    """Logits, reversed: from the block's dL/dlogit / r in `buf` (`w`: its float32 rows), adds
+    """Logits, reversed: from the block's dL/dlogit / r in `buf` (`w`: its `_BlockRows`), adds
     the embedding part to `d_x` and produces the block's weight (and bias) gradient rows. r is
     applied to the small GEMM operands and the output, so the GEMMs are the only passes over
     `buf` (and, for a wide block, the one pass that copies each column slab for them,
@@ -420,7 +497,7 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|): column j of buf is divided
         # by |W_j| before both GEMMs.
         buf = _to_centres(step, block, buf)
-        inv_w = step.inv_w[block.lo:block.hi]
+        inv_w = _rows(step.inv_w, block.lo, block.hi)
         scale = row_scale * margin.scale
         rhs = step.x_hat * scale
     else:
@@ -430,18 +507,19 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         paddle.matmul(buf, row_scale.reshape([-1]), transpose_x=True,
                       out=step.d_b[block.start:block.stop])
     d_x_block = None
-    for lo, hi, part in _slabs(buf, inv_w, rhs.shape[1]):
+    for lo, hi, part in _slabs(step, buf, inv_w, rhs.shape[1]):
+        rows = w.get(lo, hi)
         if d_x is not None:
-            prod = paddle.matmul(part, w if (lo, hi) == (0, buf.shape[1]) else w[lo:hi])
+            prod = paddle.matmul(part, rows)
             d_x_block = prod if d_x_block is None else d_x_block.add_(prod)
         if step.need_w:
-            _weight_grad_rows(step, block.lo + lo, block.lo + hi, part, w[lo:hi],
+            _weight_grad_rows(step, block.lo + lo, block.lo + hi, part, rows,
                               None if inv_w is None else inv_w[lo:hi], rhs)
     if d_x_block is not None:
         d_x.add_(d_x_block * scale)
 
 
-def _slabs(buf, inv_w, d):
+def _slabs(step, buf, inv_w, d):
     """(lo, hi, columns [lo, hi) of `buf` times `inv_w[lo:hi]`) over the block: the whole
     block, scaled in place, when its weight gradient takes at most `_WGRAD_BLOCK_BYTES`
     (64 MiB); else slabs of `_WGRAD_SLAB` columns, each scaled into one contiguous scratch
@@ -450,12 +528,13 @@ def _slabs(buf, inv_w, d):
     into `step.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
     (MKL's AVX2 kernels round a row differently for different row counts)."""
     width = buf.shape[1]
-    if width * d * 4 <= _WGRAD_BLOCK_BYTES:
+    budget, slab = _wgrad_plan(step.cpu, d)
+    if width * d * 4 <= budget:
         yield 0, width, buf if inv_w is None else scale_columns_(buf, inv_w)
         return
     scratch = None  # one slab's copy, reused while the slab width stays the same
-    for lo in range(0, width, _WGRAD_SLAB):
-        hi = min(lo + _WGRAD_SLAB, width)
+    for lo in range(0, width, slab):
+        hi = min(lo + slab, width)
         scratch = copy_columns(buf, lo, hi, None if inv_w is None else inv_w[lo:hi],
                                out=scratch)
         yield lo, hi, scratch
@@ -500,6 +579,15 @@ def _over_weight(weight):
     return write
 
 
+def _into_narrow(d_w):
+    """A sink writing gradient rows into `d_w` (16 bits), rounded to nearest as Paddle would
+    round a float32 gradient returned for a 16-bit input, a slab at a time: no float32
+    `[C_local, d]` gradient exists."""
+    def write(lo, hi, g_w, g_b):
+        d_w[lo:hi] = cast_nearest(g_w, d_w.dtype)
+    return write
+
+
 def _give_back(step, *names):
     if step.workspace is not None:
         for name in names:
@@ -525,7 +613,7 @@ class _ParallelSoftmaxCE(PyLayer):
         row_scale = _loss_grad(step, grad)
         d_x, d_w = _open_grads(step, grad.shape[0])
         for block in step.blocks:  # the chunked path recomputes the logits it dropped
-            w = _rows_f32(step.weight, block.lo, block.hi)
+            w = _BlockRows(step, step.weight, block.lo, block.hi)
             buf = _sum_grad(step, block, w)
             _target_grad(step, block, buf)
             _logits_grad(step, block, buf, w, row_scale, d_x)
@@ -582,7 +670,8 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     Returns `[N]` losses, identical on every rank. Gradients flow to `features`,
     `weight` and `bias`; the gradient of `features` is this rank's share and
     must be summed over ranks (the backward of an all-gather does that). A 16-bit
-    weight's returned gradient is cast by Paddle to the weight's dtype.
+    weight's returned gradient is in its dtype (float32 results rounded to nearest, a slab at
+    a time).
     """
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")

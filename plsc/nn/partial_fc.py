@@ -6,7 +6,7 @@ import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
-from ..cpu_kernels import take_rows
+from ..cpu_kernels import DEVICE_SLAB_BYTES, cpu_set, take_rows
 from ..numerics import SLAB_BYTES, cast_nearest
 from ..quantized import Int8Rows
 from ..storage import HEAD_DTYPES, take as take_f32
@@ -155,13 +155,15 @@ class PartialFC(nn.Layer):
             self._check_across_ranks(labels)
         global_labels = gather_concat(labels, self.group)
         # Labels outside [0, C) (possible with check_inputs "labels" or False) belong to no rank.
-        self._bad_labels = paddle.logical_or(global_labels < 0, global_labels >= self.num_classes)
+        safe = global_labels.clip(0, self.num_classes - 1)  # bad ones: -1 below anyway
+        self._bad_labels = safe != global_labels
         self._global_labels = global_labels
-        safe = paddle.where(self._bad_labels, paddle.zeros_like(global_labels), global_labels)
         local_target = paddle.where(self._bad_labels, paddle.full_like(global_labels, -1),
                                     self.partition.shard_labels(safe, self.rank))
         weight, bias, local_target = self._select_centres(local_target)
-        features = all_gather(embeddings.astype("float32"), self.group)
+        if embeddings.dtype != paddle.float32:
+            embeddings = embeddings.astype("float32")
+        features = all_gather(embeddings, self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         row_update = self.row_update
         if row_update is None and isinstance(weight, Int8Rows):
@@ -207,7 +209,8 @@ class PartialFC(nn.Layer):
     def _gather_rows(self, name, param, index):
         """Rows `index` of `param`, float32, as a new leaf (written into a lent buffer when
         there is one), so the gradient is `[num_sample, ...]`, never the whole shard's. 16-bit
-        rows are gathered and upcast a slab at a time into the float32 rows."""
+        rows are gathered and upcast a slab at a time into the float32 rows (`SLAB_BYTES` of
+        them on the CPU set, `DEVICE_SLAB_BYTES` on the device set)."""
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
         source = param if isinstance(param, Int8Rows) else param.detach()
@@ -216,7 +219,8 @@ class PartialFC(nn.Layer):
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
-            step = max(1, SLAB_BYTES // (4 * max(1, math.prod(shape[1:]))))
+            budget = SLAB_BYTES if cpu_set(index) else DEVICE_SLAB_BYTES
+            step = max(1, budget // (4 * max(1, math.prod(shape[1:]))))
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
                 rows[lo:lo + part.shape[0]] = take_f32(source, part)
@@ -272,10 +276,13 @@ class PartialFC(nn.Layer):
     @property
     def num_positive(self):
         """Distinct positives of the last global batch among this rank's classes."""
-        if self._last_target is None:
+        if self._last_target is None or self._last_target.shape[0] == 0:
             return 0
-        owned = paddle.masked_select(self._last_target, self._last_target >= 0)
-        return int(paddle.unique(owned).shape[0]) if owned.shape[0] else 0
+        # Fixed shapes (no unique / masked_select): sorted, a label counts where it starts a
+        # run; labels owned elsewhere (-1) sort first and are not counted. One read.
+        t = paddle.sort(self._last_target)
+        starts = paddle.concat([t[:1] >= 0, paddle.logical_and(t[1:] != t[:-1], t[1:] >= 0)])
+        return int(starts.astype("int64").sum())
 
     @property
     def positive_fraction(self):
@@ -288,7 +295,8 @@ class PartialFC(nn.Layer):
                              f"got {list(embeddings.shape)}")
         if labels.dtype not in (paddle.int32, paddle.int64):
             raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-        labels = labels.reshape([-1]).astype("int64")
+        labels = labels.reshape([-1])
+        labels = labels if labels.dtype == paddle.int64 else labels.astype("int64")
         if labels.shape[0] != embeddings.shape[0]:
             raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")
         return labels
@@ -332,7 +340,7 @@ class PartialFC(nn.Layer):
 
     def _check_across_ranks(self, labels):
         """Every rank learns every rank's batch size and first bad label, then all raise alike."""
-        bad = paddle.logical_or(labels < 0, labels >= self.num_classes).astype("int64")
+        bad = (labels.clip(0, self.num_classes - 1) != labels).astype("int64")
         info = paddle.stack([paddle.full([], labels.shape[0], "int64"), bad.sum(),
                              labels[paddle.argmax(bad)]])
         table = gather_concat(info, self.group).reshape([-1, 3]).numpy()  # the one read

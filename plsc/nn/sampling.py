@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 import paddle
+from paddle import _C_ops
 
 __all__ = ["num_sampled", "sample_centres"]
 
@@ -58,6 +59,17 @@ class _Seeded:
     def __exit__(self, *exc):
         for device, state in self.saved:
             paddle.set_rng_state(state, device=device)
+
+
+def _minus_one_or_two(flag):
+    """float64 −1 where `flag`, 2 elsewhere (the keys of kept and of unused slots): two ops."""
+    return paddle.scale(flag.astype("float64"), -3.0, 2.0)
+
+
+def _put_along_(arr, index, values, reduce):
+    """Paddle's put_along_axis_ along axis 0 (`index` in range, `values` of its shape), without
+    `Tensor.put_along_axis_`'s broadcasts (and, with broadcast=False, its host read)."""
+    return _C_ops.put_along_axis_(arr, index, values, 0, reduce, True)
 
 
 def _draw_seed(seed, step, rank):
@@ -102,7 +114,8 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
     (`[num_sample]` int64) and `local_target` remapped into positions of
     `index` (-1 kept for labels owned elsewhere).
     """
-    local_target = local_target.astype("int64")
+    if local_target.dtype != paddle.int64:
+        local_target = local_target.astype("int64")
     n = local_target.shape[0]
     owned = local_target >= 0
     # Positives, 1-based and sorted; `first` marks one copy of each (owned labels only).
@@ -122,21 +135,20 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
     at = paddle.searchsorted(positions, labels)  # first slot >= label
     at_c = paddle.clip(at, max=slots - 1)
     hit = paddle.logical_and(first, paddle.gather(positions, at_c) == labels)
-    minus_one, two = paddle.full([], -1.0, "float64"), paddle.full([], 2.0, "float64")
-    keys.put_along_axis_(at_c, paddle.where(hit, minus_one, two), 0, reduce="amin")
+    _put_along_(keys, at_c, _minus_one_or_two(hit), "amin")
     extra = paddle.logical_and(first, paddle.logical_not(hit))
-    keys[slots:] = paddle.where(extra, minus_one, two)
+    keys[slots:] = _minus_one_or_two(extra)
     keep = keys <= paddle.kthvalue(keys, count)[0]
     keep_e = keep[slots:].astype("int64")
     keep[slots:] = False  # from here on `keep` marks kept candidates only
     keep_c = keep.astype("int64")
     # Sorted rank of each kept item = kept candidates before it + kept extras before it.
-    zero = paddle.zeros_like(keep_e)
-    extras_at = paddle.zeros_like(keep_c).put_along_axis_(
-        at_c, paddle.where(at < slots, keep_e, zero), 0, reduce="add")
+    zero, in_slots = paddle.zeros_like(keep_e), at < slots
+    extras_at = _put_along_(paddle.zeros_like(keep_c), at_c,
+                            paddle.where(in_slots, keep_e, zero), "add")
     rank_c = paddle.cumsum(keep_c + extras_at) - keep_c
     cands_before = paddle.gather(paddle.cumsum(keep_c), at_c) - paddle.where(
-        at < slots, paddle.gather(keep_c, at_c), zero)
+        in_slots, paddle.gather(keep_c, at_c), zero)
     rank_e = paddle.cumsum(keep_e) - keep_e + cands_before
     # Dropped items land in slot `count`, cut off below.
     index = paddle.zeros([count + 1], "int64")
@@ -144,4 +156,4 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
     index.scatter_(rank_e.masked_fill_(keep_e == 0, count), labels)
     index = index[:count] - 1
     found = paddle.searchsorted(index, paddle.clip(local_target, min=0))
-    return index, paddle.where(owned, found, paddle.full([], -1, "int64"))
+    return index, paddle.where(owned, found, local_target)  # -1 where not owned
