@@ -43,7 +43,8 @@ setup(
         "search": ["faiss-cpu>=1.7"],
         "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16", "etcd3>=0.12",
                  "scikit-learn>=1.0",  # the ROC oracle of the IJB tests
-                 "faiss-cpu>=1.7"],  # plsc.search's IVF / HNSW recall tests
+                 "faiss-cpu>=1.7",  # plsc.search's IVF / HNSW recall tests
+                 "coverage>=7"],  # the device kernel set's coverage (docs/head.md)
     },
     classifiers=[
         "Programming Language :: Python :: 3",
