@@ -165,3 +165,43 @@ def test_no_objects_pile_up_over_thousands_of_batches():
             gc.collect()
             counts.append(len(gc.get_objects()))
     assert counts[1] - counts[0] < 200, counts
+
+
+_MID_MESSAGE = """
+import os, signal, sys, threading, time
+import numpy as np
+from plsc.data import DataError, DataLoader
+path = sys.argv[1]
+os.environ["PLSC_TEST_PAUSE_WRITE_AT"] = f"1:{path}"
+
+class Mixed:  # uint8 and uint16 images in one batch: no slot layout, the batch goes pickled
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        return np.full((112, 112, 3), i, np.uint8 if i % 2 else np.uint16), i
+
+def kill():
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    os.kill(int(open(path).read()), signal.SIGKILL)
+
+threading.Thread(target=kill, daemon=True).start()
+labels = []
+try:
+    for x, y in DataLoader.sequential(Mixed(), 8, num_workers=2):
+        labels += y.numpy().tolist()
+except DataError as err:
+    print("error", labels, err)
+"""
+
+
+def test_a_worker_killed_mid_message_is_a_data_error(tmp_path):
+    """A batch that cannot use a slot travels pickled (602 KB here, more than a pipe holds):
+    its worker killed half-way through the message ends the loop with a DataError, never a
+    wait for the rest (the test hook pauses it there)."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _MID_MESSAGE, str(tmp_path / "paused")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "error" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "killed by signal 9" in proc.stdout and "error [0, 1, 2, 3, 4, 5, 6, 7" in proc.stdout

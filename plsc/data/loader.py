@@ -221,7 +221,7 @@ class DataLoader:
         yield from self._from_workers()
 
     def _deliver(self, fields, skipped, error, slots=None, slot=None):
-        if slots is not None and fields is not None and fields[0] == "slot":
+        if isinstance(fields, tuple):  # ("slot", layout); collate's fields are a list
             fields = slots.read(slot, fields[1])  # views of the slot: copied out below
         if skipped and self.on_skip is not None:
             self.on_skip(skipped)
@@ -307,10 +307,12 @@ class DataLoader:
             tasks.put(None)
         for pipe in pipes:  # a worker blocked writing a batch gets EPIPE and exits
             os.close(pipe.fd)
+        # After a death the task queue's lock may be held by the dead: no orderly end to wait for.
+        died = any(w.pid is not None and w.exitcode not in (None, 0) for w in workers)
         for w in workers:
             if w.pid is None:  # never started
                 continue
-            w.join(timeout=2)
+            w.join(timeout=0 if died else 2)
             if w.is_alive():
                 w.kill()
                 w.join()
