@@ -5,7 +5,8 @@ For each worker count W: the loader delivers batches of the trainer's dataset (a
 read with output="uint8": read, JPEG decode, flip, HWC uint8) as Paddle tensors with W worker
 processes; the ceiling is W forked processes doing the same reads, decodes and flips
 (``ds[i]`` for the same batches, split the same way) with no transport at all. Both are timed
-from the fork to the last image (the same start-up in both), `--repeats` times interleaved
+from the fork to the last image (the same start-up in both) over `--passes` passes of the
+images, `--repeats` times interleaved
 (ceiling, loader, ceiling, loader, ...); medians are reported. `bytes_copied_per_batch` counts
 the copies of a batch's bytes between the decoded samples and the batch's tensor, from the
 loader's code: 2 (samples into the shared-memory slot, slot into the tensor; 9 for the loader
@@ -54,17 +55,21 @@ def ceiling(ds, batches, workers):
 def loader(ds, batches, workers):
     """Images/s of plsc.data.DataLoader with `workers` workers delivering `batches` as tensors."""
     start, count = time.perf_counter(), 0
-    for x, _ in DataLoader(ds, batches, num_workers=workers):
+    try:  # as the trainer: tensors reused in turn (the loader before had no such option)
+        batches_of = DataLoader(ds, batches, num_workers=workers, reuse=4)
+    except TypeError:
+        batches_of = DataLoader(ds, batches, num_workers=workers)
+    for x, _ in batches_of:
         count += x.shape[0]
     return count / (time.perf_counter() - start)
 
 
-def run(root, limit, worker_counts, batch_size, repeats):
+def run(root, limit, worker_counts, batch_size, repeats, passes=1):
     ds = RecordIODataset(root, train=True)
     ds.transform.output = "uint8"  # as the trainer reads
     n = min(limit, len(ds)) if limit else len(ds)
     order = np.random.default_rng(0).permutation(n).tolist()
-    batches = [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+    batches = [order[i:i + batch_size] for i in range(0, n - batch_size + 1, batch_size)] * passes
     sample = ds[0][0]
     # Copies of a batch's bytes between the samples and its tensor, counted in the loader's code:
     # slots: into the slot, into the tensor. Pipe (before): np.stack, pickle.dumps, header +
@@ -100,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4],
                         help="worker counts to time (default: 1 2 4)")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=3,
+                        help="times each timing goes over the images (start-up weighs less)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed passes; medians reported")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +116,7 @@ def main(argv=None):
             per_id = 16
             generate(root, image_size=args.image_size, num_identities=max(1, args.images // per_id),
                      images_per_identity=per_id, num_val_identities=2, num_pairs=2, quality=95)
-        result = run(root, args.images, args.workers, args.batch_size, args.repeats)
+        result = run(root, args.images, args.workers, args.batch_size, args.repeats, args.passes)
     result["source"] = args.root or f"synthetic {args.image_size}x{args.image_size} JPEG q95"
     print(json.dumps(result, indent=2))
 

@@ -205,3 +205,15 @@ def test_a_worker_killed_mid_message_is_a_data_error(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "error" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "killed by signal 9" in proc.stdout and "error [0, 1, 2, 3, 4, 5, 6, 7" in proc.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reused_tensors_hold_each_batch_until_overwritten(workers):
+    """With reuse=3, batch k's tensors hold batch k while the caller holds it and the next
+    two (read at each step), and a short last batch is still right."""
+    batches = batches_of(37)
+    want = oracle(Faces(), batches)
+    held = []
+    for n, batch in enumerate(DataLoader(Faces(), batches, num_workers=workers, reuse=3)):
+        held = (held + [(n, batch)])[-3:]
+        check_equal([b for _, b in held], [want[k] for k, _ in held])

@@ -11,7 +11,7 @@ from .. import distributed as pd
 from .. import runtime, startup
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
-from ..data import DataError, DataLoader, DistributedBatchSampler
+from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
 from ..nn import PartialFC
 from ..quantized import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
@@ -127,7 +127,9 @@ class Trainer:
             raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
                             f"{d['skip_bad']}")
         self.sampler = DistributedBatchSampler(self.dataset, d["batch_size"], self.rank, self.world,
-                                               shuffle=True, seed=g["seed"], drop_last=True)
+                                               shuffle=True, seed=g["seed"], drop_last=True,
+                                               block_size=d["block_shuffle"],
+                                               buffer_blocks=d["shuffle_buffer"])
         self.steps_per_epoch = len(self.sampler) // self.accumulate
         if self.steps_per_epoch < 1:
             raise ConfigError(f"Data.batch_size {d['batch_size']} x {self.world} ranks x "
@@ -313,8 +315,10 @@ class Trainer:
         self.sampler.set_epoch(self.epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        return DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
-                          num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped)
+        loader = DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
+                            num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped,
+                            reuse=self.accumulate + 3)  # held: the micro-batches, 2 prefetched
+        return Prefetcher(loader) if self.cfg["Data"]["device_prefetch"] else loader
 
     def _skipped(self, messages):
         """The loader reports samples the dataset replaced: log each, count them against
