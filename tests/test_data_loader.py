@@ -217,3 +217,44 @@ def test_reused_tensors_hold_each_batch_until_overwritten(workers):
     for n, batch in enumerate(DataLoader(Faces(), batches, num_workers=workers, reuse=3)):
         held = (held + [(n, batch)])[-3:]
         check_equal([b for _, b in held], [want[k] for k, _ in held])
+
+
+# ------------------------------------------------------------------ Prefetcher
+def prefetch_threads():
+    import threading
+    return [t for t in threading.enumerate() if t.name == "plsc-prefetch"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prefetcher_gives_the_same_batches_and_skips_in_the_callers_thread(workers):
+    import threading
+    from plsc.data import Prefetcher
+    batches, reports, got = batches_of(40), [], []
+    loader = DataLoader(Faces(skip=21), batches, num_workers=workers, reuse=4,
+                        on_skip=lambda msgs: reports.append((len(got), threading.current_thread().name, msgs)))
+    with contextlib.closing(iter(Prefetcher(loader))) as it:
+        for batch in it:
+            got.append(batch)
+            check_equal(got[-1:], oracle(Faces(skip=21), batches)[len(got) - 1:len(got)])
+    assert reports == [(5, threading.current_thread().name, ["sample 21 is bad"])]
+    assert len(got) == 10 and prefetch_threads() == [] and multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prefetcher_raises_the_data_error_at_its_batch(workers):
+    from plsc.data import Prefetcher
+    batches, got = batches_of(40), []
+    with pytest.raises(DataError, match=r"KeyError while loading samples 12\.\.15: 'boom'"):
+        for batch in Prefetcher(DataLoader(Faces(bad=13), batches, num_workers=workers)):
+            got.append(batch)
+    check_equal(got, oracle(Faces(), batches[:3]))
+    time.sleep(0.2)
+    assert prefetch_threads() == [] and multiprocessing.active_children() == []
+
+
+def test_prefetcher_closed_early_ends_its_thread_and_workers():
+    from plsc.data import Prefetcher
+    it = iter(Prefetcher(DataLoader(Faces(), batches_of(40), num_workers=2)))
+    next(it)
+    it.close()
+    assert prefetch_threads() == [] and multiprocessing.active_children() == []

@@ -34,8 +34,8 @@ class Prefetcher:
         return len(self.loader)
 
     def __iter__(self):
-        if self._thread is not None:
-            raise RuntimeError("a Prefetcher is iterated once")
+        if self._thread is not None:  # one pass: iterating again continues it
+            return self
         self._queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
         self._skipped = []
