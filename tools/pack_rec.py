@@ -16,13 +16,11 @@ encodes in N processes; the output is byte-identical to one worker's.
 Bad input ends with one line naming the file (and line) and exit status 65.
 """
 import argparse
+import functools
 import json
 import logging
 import os
 import sys
-
-import functools
-
 
 from plsc.data.errors import DataError
 from plsc.data.prepare import aligned_or_error, in_order, read_landmark_list, resized_jpeg
