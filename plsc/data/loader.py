@@ -41,8 +41,9 @@ import paddle
 from ..fileio import atomic_write
 from .errors import DataError
 from .slots import Slots
+from .tensors import to_tensor
 
-__all__ = ["DataLoader", "collate"]
+__all__ = ["DataLoader", "collate", "to_tensor"]
 
 _POLL_SECONDS = 1.0  # how often a waiting main thread checks that its workers are alive
 _HEADER = struct.Struct("<Q")  # a result message: its payload's length, then the pickled payload
@@ -68,26 +69,6 @@ def collate(samples):
         else:
             raise TypeError(f"cannot batch a sample field of type {type(first).__name__}")
     return fields
-
-
-def to_tensor(array, into=None):
-    """A Paddle tensor holding a copy of the numpy `array`, on the current device: `into` (a
-    tensor of the same shape and dtype, overwritten) or a new one. Not `paddle.to_tensor`: in
-    Paddle 3.3.1 each call of it leaves a small Python list alive."""
-    tensor = into
-    if tensor is None or tuple(tensor.shape) != array.shape or tensor.dtype != _DTYPES[array.dtype]:
-        tensor = paddle.empty(list(array.shape), dtype=str(array.dtype))
-    tensor.get_tensor().set(np.ascontiguousarray(array), paddle.framework._current_expected_place())
-    return tensor
-
-
-class _Dtypes(dict):
-    def __missing__(self, dtype):
-        self[dtype] = paddle.empty([0], dtype=str(dtype)).dtype
-        return self[dtype]
-
-
-_DTYPES = _Dtypes()  # numpy dtype -> Paddle dtype
 
 
 def _take_skipped(dataset):

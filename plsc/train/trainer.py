@@ -260,7 +260,7 @@ class Trainer:
         fused = self.fused_head_update  # then the head's rows were updated in the backward
         # The head's gradients differ from rank to rank: whether they are finite here rides
         # along in the backbone's all-reduce, so every rank takes the same decision.
-        head_ok = (paddle.to_tensor(self.head_opt.fused_skipped == 0) if fused
+        head_ok = (paddle.full([], self.head_opt.fused_skipped == 0, dtype="bool") if fused
                    else self.head_opt.all_gradients_finite(self.head))
         head_bad = sum_gradients(params, extra=paddle.logical_not(head_ok).astype("float32")
                                  .reshape([1]))
@@ -412,7 +412,7 @@ class Trainer:
     def _log_step_state(self):
         """VisualDL: AdaFace's statistics, and the bad samples skipped so far on all ranks."""
         if self.cfg["Data"]["skip_bad"]:
-            count = paddle.to_tensor([float(self.skipped_total)], dtype="float32")
+            count = paddle.full([1], float(self.skipped_total), dtype="float32")
             total = pd.all_reduce_(count, "sum") if self.world > 1 else count
             self.log.scalar("data/skipped", total.item(), self.step)
         if self.log.writer is not None:
