@@ -220,6 +220,12 @@ SCHEMA = {
         "skip_bad": _k(int, 0, "bad samples (undecodable image, corrupt record) a rank may skip "
                        "per epoch, each replaced by the next good one; 0: stop at the first", low=0),
         "random_flip": _k(bool, True, "random horizontal flip in training"),
+        "block_shuffle": _k(int, 0, "shuffle blocks of this many consecutive samples, then within "
+                            "windows of shuffle_buffer blocks (long sequential reads of a .rec on a "
+                            "slow disk); 0: plain per-sample shuffle", low=0),
+        "shuffle_buffer": _k(int, 64, "blocks per shuffle window with block_shuffle", low=1),
+        "device_prefetch": _k(bool, False, "load the next batch and copy it to the device in a "
+                              "background thread while the step runs (worth it on a GPU)"),
         "synthetic": _k(dict, {}, "arguments of plsc.data generate_synthetic (dataset: synthetic)"),
     },
     "Optimizer": {

@@ -299,6 +299,6 @@ def finite_flag(tensors):
     check runs on the tensors' memory; elsewhere it stays on the device (nothing is read)."""
     tensors = [t for t in tensors if t is not None]
     if cpu_set(*tensors):
-        return paddle.to_tensor(all_finite(*tensors))
+        return paddle.full([], all_finite(*tensors), dtype="bool")  # not to_tensor: it leaks a list
     flags = [paddle.isfinite(t).all() for t in tensors]
-    return paddle.stack(flags).all() if flags else paddle.to_tensor(True)
+    return paddle.stack(flags).all() if flags else paddle.full([], True, dtype="bool")

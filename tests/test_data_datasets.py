@@ -77,7 +77,7 @@ def test_pack_rec_resizes_and_stores_raw_bytes(folder, tmp_path):
 def test_pack_rec_bad_image(folder, tmp_path, capsys):
     root, _ = folder
     (root / "bob" / "9.jpg").write_bytes(b"broken")
-    assert pack_rec.main(["--input", str(root), "--output", str(tmp_path / "out")]) == 1
+    assert pack_rec.main(["--input", str(root), "--output", str(tmp_path / "out")]) == 65  # EX_DATAERR, as the trainer
     assert "9.jpg: cannot decode the image" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out" / "train.rec")
     assert pack_rec.main(["--input", str(root), "--output", str(tmp_path / "out"), "--skip-bad"]) == 0

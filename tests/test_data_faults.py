@@ -328,11 +328,12 @@ def test_damaged_rec_idx_and_bin_end_in_one_line(tmp_path, rec_root, kind):
         assert [named in line for line in out.splitlines() if "skipped bad sample" in line] == [True]
 
 
-@pytest.mark.parametrize("stop_at,counted", [(1, 0), (3, 1)])
-def test_skip_bad_resume_equals_uninterrupted(tmp_path, folder, stop_at, counted):
+@pytest.mark.parametrize("stop_at,counted,prefetch", [(1, 0, False), (3, 1, False), (1, 0, True)])
+def test_skip_bad_resume_equals_uninterrupted(tmp_path, folder, stop_at, counted, prefetch):
     """A run stopped (SIGTERM) in epoch 0 before (step 1: the skip is in the batch loaded for a
     step not taken) or after its skip (step 3) and resumed with Global.checkpoint: auto ends with
-    the uninterrupted run's weights and skip counts, the bad file replaced in both epochs."""
+    the uninterrupted run's weights and skip counts, the bad file replaced in both epochs; also
+    with Data.device_prefetch (the batch after the step, and its skip, loaded ahead)."""
     import signal
 
     from plsc.config import load_config
@@ -352,7 +353,7 @@ def test_skip_bad_resume_equals_uninterrupted(tmp_path, folder, stop_at, counted
     folder = str(root)
 
     def cfg(name):
-        path = write_config(tmp_path, folder, skip_bad=2)
+        path = write_config(tmp_path, folder, skip_bad=2, device_prefetch=prefetch)
         return load_config(path, [f"Global.output_dir={tmp_path / name}", "Global.max_steps=12",
                                   "Global.checkpoint=auto"])
 

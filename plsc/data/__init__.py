@@ -13,6 +13,7 @@ from .facerec import image_keys, read_property, write_face_rec, write_property
 from .ijb import IJBFaceDataset, IJBMeta, check_ijb_images, ijb_paths, read_ijb_meta
 from .ijb_1n import ijb_1n_paths, read_ijb_1n_lists
 from .loader import DataLoader
+from .prefetch import Prefetcher
 from .recordio import RecordIOReader, RecordIOWriter
 from .sampler import DistributedBatchSampler
 from .synthetic import generate as generate_synthetic
@@ -26,5 +27,5 @@ __all__ = [
     "DistributedBatchSampler", "generate_synthetic", "FaceTransform", "decode_image", "read_verification_bin",
     "write_verification_bin", "load_verification_arrays", "ARCFACE_POINTS", "reference_points",
     "similarity_transform", "align_face", "IJBMeta", "ijb_paths", "read_ijb_meta", "check_ijb_images", "ijb_1n_paths", "read_ijb_1n_lists",
-    "IJBFaceDataset", "DataLoader",
+    "IJBFaceDataset", "DataLoader", "Prefetcher",
 ]

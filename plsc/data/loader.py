@@ -6,12 +6,18 @@ or kills the queue under a reader that never returns (workers). Here an exceptio
 is a value like any batch: it reaches the main thread as a `DataError` naming the sample, at
 the batch where it happened, and the workers are shut down.
 
-Each worker sends its batches (pickled, after an 8-byte length) through a pipe of its own whose
-write end only that worker holds, and the main thread reads them without blocking, waiting in
+Each worker collates its batch into a shared-memory slot (`plsc.data.slots`: a ring made
+before the workers fork, one slot per batch in flight) and sends only a short message (the
+batch number, the slot's field layout, the skipped samples or the error; pickled, after an
+8-byte length) through a pipe of its own whose write end only that worker holds; a batch whose
+fields are not arrays and numbers travels pickled in the message instead. The main process
+copies each batch out of its slot into new tensors and hands the slot back. It reads the pipes
+without blocking, waiting in
 `multiprocessing.connection.wait` on the pipes and the workers' sentinels at most a second at a
 time. So signals are handled, and a worker that dies (killed, out of memory) is noticed each
 time the main thread asks for a batch (even one already received), also when it died in the
-middle of writing a batch: its pipe ends, the half message is dropped and the death is a
+middle of writing a batch (into its slot, or a message into its pipe): the message is sent
+only once the slot is written, its pipe ends, a half message is dropped and the death is a
 `DataError`. Tasks (a few indices) go to the workers through one queue: a worker killed while
 taking one may leave it locked for the others, but its death ends the iteration anyway.
 
@@ -34,14 +40,17 @@ import paddle
 
 from ..fileio import atomic_write
 from .errors import DataError
+from .slots import Slots
+from .tensors import to_tensor
 
-__all__ = ["DataLoader", "collate"]
+__all__ = ["DataLoader", "collate", "to_tensor"]
 
 _POLL_SECONDS = 1.0  # how often a waiting main thread checks that its workers are alive
 _HEADER = struct.Struct("<Q")  # a result message: its payload's length, then the pickled payload
 _READ = 1 << 16  # bytes read from a result pipe at a time (what a Linux pipe holds)
-# Test hook (tests/test_data_faults.py), "<batch number>:<file>": the worker sending that batch
-# writes half of its message, writes its pid to <file> and sleeps until it is killed.
+# Test hook (tests/test_data_faults.py), "<batch number>:<file>": the worker making that batch
+# writes half of it (into its slot, or half of its message when the batch travels pickled),
+# writes its pid to <file> and sleeps until it is killed.
 PAUSE_WRITE_HOOK = "PLSC_TEST_PAUSE_WRITE_AT"
 
 
@@ -103,7 +112,27 @@ def _pause_hook():
     return (int(number), path) if path else (None, None)
 
 
-def _worker(dataset, tasks, out, parent, readers):
+def _load_into(slots, slot, dataset, indices, pause):
+    """(("slot", field layout) or fields, skipped messages, None) of one batch written into
+    `slot`, or (None, skipped, (message, traceback)): `_load` with the slot as transport."""
+    try:
+        samples = [dataset[i] for i in indices]
+        meta = slots.write(slot, samples, pause)
+        fields = ("slot", meta) if meta is not None else collate(samples)
+        return fields, _take_skipped(dataset), None
+    except Exception as err:  # noqa: BLE001 -- every loading failure is reported, none kills us
+        return None, _take_skipped(dataset), (_describe(err, indices), traceback.format_exc())
+
+
+def _pause(parent, pause_file):
+    """The test hook's pause: write our pid and sleep until killed (or orphaned)."""
+    atomic_write(pause_file, str(os.getpid()))
+    while os.getppid() == parent:
+        time.sleep(_POLL_SECONDS)
+    os._exit(0)
+
+
+def _worker(dataset, slots, tasks, out, parent, readers):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for fd in readers:  # inherited read ends of the result pipes: only the main process reads
@@ -118,16 +147,15 @@ def _worker(dataset, tasks, out, parent, readers):
             continue
         if task is None:
             return
-        number, indices = task
-        payload = pickle.dumps((number,) + _load(dataset, indices), pickle.HIGHEST_PROTOCOL)
+        number, indices, slot = task
+        pause = (lambda: _pause(parent, pause_file)) if number == pause_at else None
+        result = _load_into(slots, slot, dataset, indices, pause)
+        payload = pickle.dumps((number,) + result, pickle.HIGHEST_PROTOCOL)
         message = _HEADER.pack(len(payload)) + payload
         try:
-            if number == pause_at:  # the test hook: half a message, then wait to be killed
+            if pause is not None:  # the test hook, batch travelling pickled: half a message
                 _write(out, message[:len(message) // 2])
-                atomic_write(pause_file, str(os.getpid()))
-                while os.getppid() == parent:
-                    time.sleep(_POLL_SECONDS)
-                return
+                _pause(parent, pause_file)
             _write(out, message)
         except BrokenPipeError:  # the main process stopped reading: it is shutting us down
             return
@@ -160,12 +188,19 @@ class DataLoader:
     """Iterate the batches of `batch_sampler` (an iterable of index lists) over `dataset`
     (``dataset[i]`` returns a tuple of numpy arrays and numbers) in order, as tuples of Paddle
     tensors. `num_workers` processes (0: this process) load ahead up to `prefetch` batches
-    each. `on_skip(messages)` receives the samples the dataset skipped, batch by batch."""
+    each. `on_skip(messages)` receives the samples the dataset skipped, batch by batch.
 
-    def __init__(self, dataset, batch_sampler, num_workers=0, prefetch=2, on_skip=None):
+    Each batch is a new set of tensors, unless `reuse` > 0: then batches are copied into
+    `reuse` sets of tensors made once and used in turn (a fresh 5 MB tensor costs page faults
+    on every batch: about 5 ms, against 0.1 ms to overwrite one), so a batch's tensors are
+    overwritten `reuse` batches later -- only for a caller that holds fewer batches at once
+    (the trainer: its micro-batches, plus one being prefetched)."""
+
+    def __init__(self, dataset, batch_sampler, num_workers=0, prefetch=2, on_skip=None, reuse=0):
         self.dataset, self.batch_sampler = dataset, batch_sampler
         self.num_workers, self.prefetch = int(num_workers), max(1, int(prefetch))
         self.on_skip = on_skip
+        self._sets, self._turn = [None] * max(0, int(reuse)), 0
 
     @classmethod
     def sequential(cls, dataset, batch_size, start=0, stop=None, **kw):
@@ -185,22 +220,32 @@ class DataLoader:
             return
         yield from self._from_workers()
 
-    def _deliver(self, fields, skipped, error):
+    def _deliver(self, fields, skipped, error, slots=None, slot=None):
+        if isinstance(fields, tuple):  # ("slot", layout); collate's fields are a list
+            fields = slots.read(slot, fields[1])  # views of the slot: copied out below
         if skipped and self.on_skip is not None:
             self.on_skip(skipped)
         if error is not None:
             raise DataError(error[0]) from _WorkerTraceback(error[1])
-        return tuple(paddle.to_tensor(f) for f in fields)
+        if not self._sets:
+            return tuple(to_tensor(f) for f in fields)
+        turn, self._turn = self._turn, (self._turn + 1) % len(self._sets)
+        old = self._sets[turn] or ()
+        self._sets[turn] = tuple(to_tensor(f, old[k] if k < len(old) else None)
+                                 for k, f in enumerate(fields))
+        return self._sets[turn]
 
     def _from_workers(self):
         ctx = multiprocessing.get_context("fork")
         tasks, pipes, workers = ctx.Queue(), [], []
+        slots = Slots(self.prefetch * self.num_workers)  # one per batch in flight
+        free = list(range(len(slots.fds)))
         try:
             for _ in range(self.num_workers):
                 read, write = os.pipe()
                 pipes.append(_Pipe(read))
                 workers.append(ctx.Process(target=_worker, daemon=True, args=(
-                    self.dataset, tasks, write, os.getpid(), [p.fd for p in pipes])))
+                    self.dataset, slots, tasks, write, os.getpid(), [p.fd for p in pipes])))
                 try:
                     workers[-1].start()
                 finally:
@@ -208,8 +253,10 @@ class DataLoader:
             batches = iter(enumerate(self.batch_sampler))
             sent = received = 0
             done = {}
+            slot_of = {}
             for number, indices in batches:  # fill the pipeline
-                tasks.put((number, list(indices)))
+                slot_of[number] = free.pop()
+                tasks.put((number, list(indices), slot_of[number]))
                 sent += 1
                 if sent >= self.prefetch * self.num_workers:
                     break
@@ -217,15 +264,19 @@ class DataLoader:
                 self._receive(pipes, workers, done, 0)  # a death is noticed even with the batch here
                 while received not in done:
                     self._receive(pipes, workers, done, _POLL_SECONDS)
-                result = done.pop(received)
+                result, slot = done.pop(received), slot_of.pop(received)
                 received += 1
+                batch = self._deliver(*result, slots=slots, slot=slot)  # copied out of the slot
+                free.append(slot)
                 nxt = next(batches, None)
                 if nxt is not None:
-                    tasks.put((nxt[0], list(nxt[1])))
+                    slot_of[nxt[0]] = free.pop()
+                    tasks.put((nxt[0], list(nxt[1]), slot_of[nxt[0]]))
                     sent += 1
-                yield self._deliver(*result)
+                yield batch
         finally:
             self._shutdown(workers, tasks, pipes)
+            slots.close()
 
     @staticmethod
     def _receive(pipes, workers, done, timeout):
@@ -262,10 +313,12 @@ class DataLoader:
             tasks.put(None)
         for pipe in pipes:  # a worker blocked writing a batch gets EPIPE and exits
             os.close(pipe.fd)
+        # After a death the task queue's lock may be held by the dead: no orderly end to wait for.
+        died = any(w.pid is not None and w.exitcode not in (None, 0) for w in workers)
         for w in workers:
             if w.pid is None:  # never started
                 continue
-            w.join(timeout=2)
+            w.join(timeout=0 if died else 2)
             if w.is_alive():
                 w.kill()
                 w.join()

@@ -134,5 +134,6 @@ class FaceTransform:
         if np.ndim(self.scale) == 0:
             x = paddle.scale(x, float(self.scale), -float(self.shift))
         else:  # per channel: [3] operands on the last (HWC) axis
-            x = x * paddle.to_tensor(self.scale.reshape(3)) - paddle.to_tensor(self.shift.reshape(3))
+            from .tensors import to_tensor  # not paddle.to_tensor: it leaks a list per call
+            x = x * to_tensor(self.scale.reshape(3)) - to_tensor(self.shift.reshape(3))
         return paddle.transpose(x, [0, 3, 1, 2])

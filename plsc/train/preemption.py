@@ -30,9 +30,11 @@ import signal
 import threading
 import time
 
+import numpy as np
 import paddle
 
 from .. import distributed as pd
+from ..data.tensors import to_tensor
 from .. import startup
 from ..startup import PREEMPTED_EXIT_CODE
 
@@ -170,8 +172,8 @@ class StopSignals:
         failed to load or -1), the same on every rank: one all-reduce of two values held on the
         host, over a host group (`host_group`), so that on a GPU it waits for no kernel."""
         rank, world = pd.group_rank_size(group)
-        flag = paddle.to_tensor([float(self.signum), float(rank + 1 if data_failed else 0)],
-                                dtype="float32", place=paddle.CPUPlace())
+        flag = to_tensor(np.array([self.signum, rank + 1 if data_failed else 0], np.float32),
+                         place=paddle.CPUPlace())  # a host tensor: no device read
         if world > 1:
             pd.all_reduce_(flag, "max", host_group(group))
         signum, failed = flag.numpy().tolist()

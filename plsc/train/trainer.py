@@ -10,7 +10,8 @@ from .. import distributed as pd
 from .. import runtime, startup
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
-from ..data import DataError, DataLoader, DistributedBatchSampler
+from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
+from ..data.tensors import to_tensor
 from ..nn import PartialFC
 from ..storage import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
@@ -100,7 +101,9 @@ class Trainer:
             raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
                             f"{d['skip_bad']}")
         self.sampler = DistributedBatchSampler(self.dataset, d["batch_size"], self.rank, self.world,
-                                               shuffle=True, seed=g["seed"], drop_last=True)
+                                               shuffle=True, seed=g["seed"], drop_last=True,
+                                               block_size=d["block_shuffle"],
+                                               buffer_blocks=d["shuffle_buffer"])
         self.steps_per_epoch = len(self.sampler) // self.accumulate
         if self.steps_per_epoch < 1:
             raise ConfigError(f"Data.batch_size {d['batch_size']} x {self.world} ranks x "
@@ -296,8 +299,10 @@ class Trainer:
         self.sampler.set_epoch(self.epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        return DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
-                          num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped)
+        loader = DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
+                            num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped,
+                            reuse=self.accumulate + 3)  # held: the micro-batches, 2 prefetched
+        return Prefetcher(loader) if self.cfg["Data"]["device_prefetch"] else loader
 
     def _skipped(self, messages):
         """The loader reports samples the dataset replaced: log each, count them against
@@ -391,8 +396,8 @@ class Trainer:
     def _log_step_state(self):
         """VisualDL: AdaFace's statistics, and the bad samples skipped so far on all ranks."""
         if self.cfg["Data"]["skip_bad"]:
-            count = paddle.to_tensor([float(self.skipped_total)], dtype="float32",
-                                     place=paddle.CPUPlace())  # a host count: no device read
+            count = to_tensor(np.array([self.skipped_total], np.float32),
+                              place=paddle.CPUPlace())  # a host count: no device read
             total = pd.all_reduce_(count, "sum", host_group()) if self.world > 1 else count
             self.log.scalar("data/skipped", total.item(), self.step)
         if self.log.writer is not None:
