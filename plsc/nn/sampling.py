@@ -20,9 +20,9 @@ O(num_sample), not O(num_local):
 2. The keys of those classes are i.i.d. and independent of the gaps: the
    fractional parts `E / λ − floor(E / λ)` (the exponential is memoryless).
    Any i.i.d. continuous keys order the candidates uniformly at random.
-3. Positives get key −1 (always kept); the `num_sample`-th smallest key splits
-   kept from dropped; kept candidates and positives outside the process are
-   merged into sorted order by counting (cumulative sums), not by sorting.
+3. Positives get key −1 (always kept): in their slot if they are candidates,
+   else in a spare slot that then holds their class. The `num_sample` smallest
+   keys (top-k) are kept and their classes sorted.
 
 Every shape is known before the draw when `int(ratio · num_local)` is at least
 the global batch (then no positive count can exceed it), so a GPU step reads
@@ -61,9 +61,24 @@ class _Seeded:
             paddle.set_rng_state(state, device=device)
 
 
-def _minus_one_or_two(flag):
-    """float64 −1 where `flag`, 2 elsewhere (the keys of kept and of unused slots): two ops."""
-    return paddle.scale(flag.astype("float64"), -3.0, 2.0)
+_CONSTANTS = {}
+
+
+def _constants(place, slots, spare, num_local):
+    """Per device and shape, made once (so a step launches no `full`): the spare slots'
+    indices, each slot's padding limit (a spare slot is always over it), float64 2 per slot,
+    float64 −1 and 2 per spare slot, and int64 [-1]. Never written to."""
+    key = (str(place), slots, spare, num_local)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) >= 32:
+            _CONSTANTS.clear()
+        limit = np.full([slots + spare], -1, np.int64)
+        limit[:slots] = num_local - 1
+        arrays = (np.arange(slots, slots + spare, dtype=np.int64), limit,
+                  np.full([slots + spare], 2.0), np.full([spare], -1.0), np.full([spare], 2.0),
+                  np.full([1], -1, np.int64))
+        _CONSTANTS[key] = tuple(paddle.to_tensor(a, place=place) for a in arrays)
+    return _CONSTANTS[key]
 
 
 def _put_along_(arr, index, values, reduce):
@@ -81,23 +96,22 @@ def _draw_seed(seed, step, rank):
 def _candidates(num_local, count, spare):
     """A random set of classes holding `count` of them almost surely, plus `spare` free slots.
 
-    Returns `(positions, keys, slots)`: `positions` 1-based, sorted (int64; entries
-    beyond `num_local` are padding), `keys` i.i.d. in [0, 1) (padding: 2, float64), both
-    of length `slots + spare`; the last `spare` entries are the caller's to fill.
+    Returns `(positions, keys, slots)`: `positions` 0-based, sorted (int64; entries
+    from `num_local` on are padding), `keys` i.i.d. in [0, 1) (float64), both of length
+    `slots + spare`; the last `spare` entries are the caller's to fill.
     """
     mean = count + _SIGMAS * math.sqrt(count) + _SIGMAS ** 2
     p = mean / num_local
     slots = int(math.ceil(mean + _SIGMAS * math.sqrt(mean) + _SIGMAS ** 2))
     if p >= 1.0 or slots >= num_local:  # every class is a candidate
         slots = num_local
-        return (paddle.arange(1, slots + spare + 1, dtype="int64"),
+        return (paddle.arange(slots + spare, dtype="int64"),
                 paddle.rand([slots + spare], dtype="float64"), slots)
     scaled = paddle.empty([slots + spare], dtype="float64").exponential_(1.0)
     scaled = paddle.scale(scaled, -1.0 / math.log1p(-p))  # E / λ
     gaps = paddle.ceil(scaled)  # geometric(p)
     keys = gaps - scaled
-    positions = paddle.cumsum(gaps.astype("int64"))
-    keys.masked_fill_(positions > num_local, 2.0)
+    positions = paddle.scale(paddle.cumsum(gaps.astype("int64")), 1.0, -1.0)
     return positions, keys, slots
 
 
@@ -117,12 +131,11 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
     if local_target.dtype != paddle.int64:
         local_target = local_target.astype("int64")
     n = local_target.shape[0]
-    owned = local_target >= 0
-    # Positives, 1-based and sorted; `first` marks one copy of each (owned labels only).
-    labels = paddle.sort(paddle.where(owned, local_target, paddle.full([], num_local, "int64"))) + 1
-    first = paddle.concat([paddle.ones([1], "bool"), labels[1:] != labels[:-1]]) \
-        if n > 1 else paddle.ones([n], "bool")
-    first = paddle.logical_and(first, labels <= num_local)
+    # Labels sorted (labels owned elsewhere, -1, first); `first` marks one copy of each owned one.
+    labels = paddle.sort(local_target)
+    place = labels.place
+    minus_one = _constants(place, 0, 0, 0)[5]
+    first = labels > paddle.concat([minus_one, labels[:-1]])
     base = int(sample_ratio * num_local)
     count = base if base >= n else num_sampled(num_local, sample_ratio, int(first.sum()))
     if count >= num_local:
@@ -130,30 +143,17 @@ def sample_centres(local_target, num_local, sample_ratio, seed, step, rank):
 
     with _Seeded(_draw_seed(seed, step, rank)):
         positions, keys, slots = _candidates(num_local, count, n)
-    # Positives among the candidates get key -1; the others ("extras") take the spare
-    # slots with key -1 and are merged in below.
-    at = paddle.searchsorted(positions, labels)  # first slot >= label
-    at_c = paddle.clip(at, max=slots - 1)
-    hit = paddle.logical_and(first, paddle.gather(positions, at_c) == labels)
-    _put_along_(keys, at_c, _minus_one_or_two(hit), "amin")
-    extra = paddle.logical_and(first, paddle.logical_not(hit))
-    keys[slots:] = _minus_one_or_two(extra)
-    keep = keys <= paddle.kthvalue(keys, count)[0]
-    keep_e = keep[slots:].astype("int64")
-    keep[slots:] = False  # from here on `keep` marks kept candidates only
-    keep_c = keep.astype("int64")
-    # Sorted rank of each kept item = kept candidates before it + kept extras before it.
-    zero, in_slots = paddle.zeros_like(keep_e), at < slots
-    extras_at = _put_along_(paddle.zeros_like(keep_c), at_c,
-                            paddle.where(in_slots, keep_e, zero), "add")
-    rank_c = paddle.cumsum(keep_c + extras_at) - keep_c
-    cands_before = paddle.gather(paddle.cumsum(keep_c), at_c) - paddle.where(
-        in_slots, paddle.gather(keep_c, at_c), zero)
-    rank_e = paddle.cumsum(keep_e) - keep_e + cands_before
-    # Dropped items land in slot `count`, cut off below.
-    index = paddle.zeros([count + 1], "int64")
-    index.scatter_(rank_c.masked_fill_(paddle.logical_not(keep), count), positions)
-    index.scatter_(rank_e.masked_fill_(keep_e == 0, count), labels)
-    index = index[:count] - 1
-    found = paddle.searchsorted(index, paddle.clip(local_target, min=0))
-    return index, paddle.where(owned, found, local_target)  # -1 where not owned
+    spare_at, limit, two, minus_ones, twos, _ = _constants(place, slots, n, num_local)
+    keys = _C_ops.where(positions > limit, two, keys)  # padding and spare slots: key 2
+    # Positives get key -1 (always kept): those among the candidates in their slot, the
+    # others ("extras") in their spare slot, which then holds their label.
+    at = paddle.clip(paddle.searchsorted(positions, labels), max=slots - 1)
+    hit = paddle.logical_and(first, paddle.gather(positions, at) == labels)
+    _put_along_(keys, _C_ops.where(hit, at, spare_at),
+                _C_ops.where(first, minus_ones, twos), "amin")
+    _put_along_(positions, spare_at, labels, "assign")
+    # The `count` smallest keys (every -1 among them), their classes in sorted order.
+    kept = paddle.topk(keys, count, largest=False, sorted=False)[1]
+    index = paddle.sort(paddle.gather(positions, kept))
+    # Position in `index` of each owned label; -1 (before every index) stays -1.
+    return index, paddle.scale(paddle.searchsorted(index, local_target, right=True), 1.0, -1.0)
