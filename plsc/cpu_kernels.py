@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 
+from .numerics import DEVICE_SLAB_BYTES  # the device set's slab budget
+
 __all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies", "as_numpy", "run_rows", "device_slab_rows", "DEVICE_SLAB_BYTES",
            "row_dot", "scale_columns_", "copy_columns", "put_columns_",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
@@ -29,11 +31,6 @@ __all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "ap
 
 _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one slab stay in L2)
 
-# The device set's passes make one temporary the size of their operand slab; a slab is at most
-# this many bytes (1 GiB: the head's weight-gradient slabs on the device set are never larger,
-# so it is one slab there; on a GPU a launch per GiB is nothing and the temporary is small
-# against the card; on the CPU the set is only run to test it).
-DEVICE_SLAB_BYTES = 1 << 30
 
 _pools = {}
 _threads = 1  # threads of these kernels (Paddle's own default is 1)
@@ -238,7 +235,7 @@ def remove_row_components_(g, w, inv):
     if not (_in_place_ok(g, w, inv) and w.is_contiguous()):
         coef = (row_dot(w, g) * inv * inv).unsqueeze(1)
         step = device_slab_rows(g)
-        if step >= g.shape[0]:  # the head's slabs (at most 1 GiB) always: five ops
+        if step >= g.shape[0]:  # the head's slabs (one budget at most) always: five ops
             return g.subtract_(w * coef)
         for i in range(0, g.shape[0], step):
             g[i:i + step].subtract_(w[i:i + step] * coef[i:i + step])

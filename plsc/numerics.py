@@ -13,11 +13,16 @@ import paddle
 
 from .dtypes import FLOAT_DTYPES as STORAGE_DTYPES  # the float storage dtypes
 
-__all__ = ["STORAGE_DTYPES", "SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
+__all__ = ["STORAGE_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
            "sqrt_exact"]
 
 SLAB_BYTES = 32 << 20  # bytes a slab-wise pass handles at a time: 16-bit rows upcast to float32
 # (where not per block), head rows streamed to or from a checkpoint, centres read by cleaning
+# The device kernel set's budget (Paddle ops: a GPU, or PLSC_KERNELS=device): float32 bytes of
+# rows one pass takes at a time. Every slab costs the same fixed number of launches, so a slab is
+# as large as a card spares for a few temporaries of its size: 131,072 rows of width 512, so
+# a Partial FC step's sampled rows (up to 10% of 1,000,000 classes) are one slab.
+DEVICE_SLAB_BYTES = 256 << 20
 
 
 def dtype_name(dtype):

@@ -21,14 +21,12 @@ import paddle
 
 from .dtypes import HEAD_DTYPES, STORED_DTYPES
 from .cpu_kernels import all_finite, cpu_set, take_rows
-from .numerics import SLAB_BYTES, cast_nearest, to_float32
+from .numerics import DEVICE_SLAB_BYTES, SLAB_BYTES, cast_nearest, to_float32
 from .quantized import Int8Rows
 
 __all__ = ["HEAD_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "name",
            "is_float32", "has_autograd", "zeros", "read", "take", "put", "nbytes",
-           "slab_rows", "value_parts", "as_array", "row_ids", "gather_rows", "all_rows_finite"]
-
-DEVICE_SLAB_BYTES = 256 << 20  # float32 bytes of a slab on the device set (see above)
+           "slab_rows", "kept", "value_parts", "as_array", "row_ids", "gather_rows", "all_rows_finite"]
 
 
 def name(t):
@@ -99,8 +97,11 @@ def put(t, where, values, bits=None, keep=None):
     Rounded to nearest, or stochastically with `bits`: an object whose `round(values, dtype,
     rows)` gives 16-bit values and whose `noise(rows, width)` gives uniform [0, 1) noise for
     8-bit codes (`plsc.optim.rounding.StochasticBits`), `rows` the global row indices. float32
-    storage takes `values` as they are. `keep`: a 0-d bool tensor; where true, the rows keep
-    their stored bits (the values are written as they were read), decided on the device."""
+    storage takes `values` as they are, and so does any storage for values already of its
+    dtype (rounded by the caller), or, for 16-bit rows of even width, int32 `[k, width / 2]`
+    holding such values' bits in pairs (the device set's batched rounding hands them over so). `keep`: a 0-d bool tensor; where true, the rows keep their
+    stored bits (float32 values only: they are replaced by the stored ones, `kept`), decided
+    on the device."""
     if isinstance(t, Int8Rows):
         noise = None
         if bits is not None:
@@ -108,9 +109,19 @@ def put(t, where, values, bits=None, keep=None):
                                values.size // max(1, values.shape[0])).reshape(values.shape)
         t.write(where, values, noise, keep=keep)
         return
-    if keep is not None:
-        values = paddle.where(keep, _old(t, where, values.shape[0]), values)
-    if t.dtype != paddle.float32:
+    if values.dtype == paddle.int32 and t.dtype in (paddle.bfloat16, paddle.float16):
+        if keep is not None or t.ndim != 2 or 2 * values.shape[-1] != t.shape[1]:
+            raise ValueError("put: int32 pairs of 16-bit values need 2-D rows and no keep")
+        if isinstance(where, int):
+            t.view("int32")[where:where + values.shape[0]] = values
+        else:
+            t.view("int32").scatter_(where, values, overwrite=True)
+        return
+    if values.dtype == paddle.float32:
+        values = kept(t, where, values, keep)
+    elif keep is not None:
+        raise ValueError("put: keep needs float32 values (apply it before rounding: kept)")
+    if values.dtype != t.dtype:
         values = cast_nearest(values, t.dtype) if bits is None else \
             bits.round(values, t.dtype, row_ids(where, values.shape[0], values.place))
     if isinstance(where, int):
@@ -124,9 +135,15 @@ def put(t, where, values, bits=None, keep=None):
         t.index_put_((where,), values)
 
 
-def _old(t, where, count):
-    """The float32 values rows `where` hold now (exact: the storage's values upcast)."""
-    return read(t, where, where + count) if isinstance(where, int) else take(t, where)
+def kept(t, where, values, keep):
+    """float32 `values` for rows `where` of `t`, or (where the 0-d bool `keep` is true) the
+    float32 values those rows hold now (exact: the storage's values upcast), as `put` writes
+    them; `keep` None: `values`."""
+    if keep is None:
+        return values
+    n = values.shape[0]
+    return paddle.where(keep, read(t, where, where + n) if isinstance(where, int)
+                        else take(t, where), values)
 
 
 def as_array(value):

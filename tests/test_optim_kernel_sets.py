@@ -4,7 +4,8 @@ itself checked against numpy in test_sparse_dtypes/test_int8; the device set (Pa
 slab, finiteness on the device, a sorted merge) must match it bit for bit: every update is the
 same float32 elementwise operations on each row, and the random bits are the same function of
 (seed, stream, step, rank, row, column). Steps: sampled rows, all rows, two accumulated
-micro-batches with shared rows, a fused update with a non-finite slab."""
+micro-batches with shared rows, a fused update with a non-finite slab; the weight and its
+state in one storage (the device set rounds their rows together) or in two."""
 import numpy as np
 import paddle
 import pytest
@@ -27,6 +28,7 @@ def _bits(t):
 
 
 def _run(kind, dtype, rounding):
+    dtype, _, state_dtype = dtype.partition("+")  # "weight+state": the state in another storage
     rng = np.random.default_rng(5)
     w = (rng.standard_normal([N, D]) * 0.05).astype(np.float32)
     b = (rng.standard_normal([N]) * 0.05).astype(np.float32)
@@ -34,7 +36,7 @@ def _run(kind, dtype, rounding):
     if dtype == "int8":
         head.weight = Int8Rows.from_float(paddle.to_tensor(w))
     cls, kw = OPTS[kind]
-    opt = cls(rounding=rounding, seed=3, **kw)
+    opt = cls(rounding=rounding, seed=3, state_dtype=state_dtype or None, **kw)
 
     def g(k):
         return ((rng.standard_normal([k, D]) * 1e-2).astype(np.float32),
@@ -65,7 +67,8 @@ def _run(kind, dtype, rounding):
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8",
+                                   "bfloat16+float16", "bfloat16+int8"])
 @pytest.mark.parametrize("kind", list(OPTS))
 def test_device_set_gives_the_cpu_sets_bits(kind, dtype, rounding, monkeypatch):
     if dtype == "float32" and rounding == "nearest":

@@ -57,7 +57,7 @@ from ..cpu_kernels import (DEVICE_SLAB_BYTES, applies, as_numpy, copy_columns, c
 from ..cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from ..numerics import SLAB_BYTES, cast_nearest, sqrt_exact
-from ..quantized import Int8Rows
+from .. import storage
 from ..storage import read as _rows_f32
 
 __all__ = ["parallel_softmax_cross_entropy"]
@@ -65,10 +65,8 @@ __all__ = ["parallel_softmax_cross_entropy"]
 _NORM_EPS = 1e-12  # as paddle.nn.functional.normalize
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
 _WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
-# The device set's budget for the same (and for a narrow block's float32 rows): 1 GiB, a slab
-# of 1 GiB / (4·d) rows beyond it. On a GPU the ops are launches and a 1 GiB temporary is
-# small against the card; so a Partial FC step's sampled rows (at 1M classes a rank and ratio
-# 0.1, 200 MB at d = 512) are one slab, and its ops do not grow with the classes.
+# The device set's budget for the same (and for a narrow block's float32 rows): one slab of
+# `DEVICE_SLAB_BYTES` (256 MiB), so a Partial FC step's sampled rows are one slab.
 _DEVICE_WGRAD_BYTES = DEVICE_SLAB_BYTES
 _MASK_SLAB = 1 << 16  # entries of a slab of rows in the filter's and the mask's passes
 
@@ -84,7 +82,7 @@ def _wgrad_plan(cpu, d):
 def _inv_row_norms(weight, cpu=True):
     """1/|W_j| of every row, float32; a 16- or 8-bit weight is read a slab of rows at a time
     (`SLAB_BYTES` of float32 on the CPU set, `_DEVICE_WGRAD_BYTES` on the device set)."""
-    if not isinstance(weight, Int8Rows) and weight.dtype == paddle.float32:
+    if storage.is_float32(weight):
         return 1.0 / _row_norm(weight)
     step = max(1, (SLAB_BYTES if cpu else _DEVICE_WGRAD_BYTES) // (4 * weight.shape[1]))
     if step >= weight.shape[0]:
@@ -124,7 +122,7 @@ class _BlockRows:
     def __init__(self, step, weight, lo, hi):
         self.weight, self.lo, self.hi = weight, lo, hi
         budget, self.slab = _wgrad_plan(step.cpu, weight.shape[1])
-        narrow = isinstance(weight, Int8Rows) or weight.dtype != paddle.float32
+        narrow = not storage.is_float32(weight)
         self.whole = not narrow or (hi - lo) * weight.shape[1] * 4 <= budget
         whole_shard = (lo, hi) == (0, weight.shape[0])  # no slice op
         self.rows = None if not self.whole else \
@@ -365,7 +363,7 @@ def _gather(step, features, weight, bias, local_target):
     step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
                           step.sub_centers)
     step.need_x, step.need_w = not features.stop_gradient, not weight.stop_gradient
-    if step.need_w and isinstance(weight, Int8Rows) and step.row_update is None:
+    if step.need_w and not storage.has_autograd(weight) and step.row_update is None:
         raise ValueError("an 8-bit weight (Int8Rows) has no autograd gradient: give row_update, "
                          "which receives its gradient rows")
 
@@ -623,7 +621,7 @@ class _ParallelSoftmaxCE(PyLayer):
         d_x = _gather_grad(step, d_x)
         # One gradient per tensor passed to `apply`, in the order they were passed there (an
         # 8-bit weight is no tensor).
-        grads = (d_x,) + (() if isinstance(step.weight, Int8Rows) else (d_w,))
+        grads = (d_x,) + ((d_w,) if storage.has_autograd(step.weight) else ())
         return grads + ((d_b,) if step.bias is not None else ()) + (None,)
 
 

@@ -7,8 +7,8 @@ from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import DEVICE_SLAB_BYTES, cpu_set, take_rows
-from ..numerics import SLAB_BYTES, cast_nearest
-from ..quantized import Int8Rows
+from ..numerics import SLAB_BYTES
+from .. import storage
 from ..storage import HEAD_DTYPES, take as take_f32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
@@ -166,7 +166,7 @@ class PartialFC(nn.Layer):
         features = all_gather(embeddings, self.group)
         self.last_chunk_size = self._chunk_for(features.shape[0], weight.shape[0])
         row_update = self.row_update
-        if row_update is None and isinstance(weight, Int8Rows):
+        if row_update is None and not storage.has_autograd(weight):
             row_update = self._keep_dense_gradient  # autograd has no 8-bit gradient
         losses = parallel_softmax_cross_entropy(
             features, weight, bias, local_target, self.margin, self.group, self.last_chunk_size,
@@ -213,9 +213,9 @@ class PartialFC(nn.Layer):
         them on the CPU set, `DEVICE_SLAB_BYTES` on the device set)."""
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
-        source = param if isinstance(param, Int8Rows) else param.detach()
+        source = param.detach() if storage.has_autograd(param) else param
         rows = out.detach() if out is not None else None  # a new leaf over the buffer
-        if not isinstance(source, Int8Rows) and source.dtype == paddle.float32:
+        if storage.is_float32(source):
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
@@ -248,7 +248,7 @@ class PartialFC(nn.Layer):
         if name in self._dense_grads:
             return self._dense_grads[name]
         param = self.weight if name == "weight" else self.bias
-        return None if isinstance(param, Int8Rows) else param.grad
+        return param.grad if storage.has_autograd(param) else None
 
     def drop_dense_gradients(self):
         """Free the gradients of the whole weight and bias (an optimizer step used them)."""
@@ -370,7 +370,7 @@ def _normal_parameter(layer, shape, std, dtype):
     if dtype == "float32":
         return layer.create_parameter(shape, dtype="float32", default_initializer=init)
     if dtype == "int8":
-        param = Int8Rows.zeros(shape)
+        param = storage.zeros(shape, "int8")
     else:
         param = layer.create_parameter(shape, dtype=dtype,
                                        default_initializer=nn.initializer.Constant(0.0))
@@ -378,11 +378,7 @@ def _normal_parameter(layer, shape, std, dtype):
     with paddle.no_grad():
         for lo in range(0, shape[0], step):
             rows = min(step, shape[0] - lo)
-            draw = paddle.normal(0.0, std, [rows, shape[1]])
-            if dtype == "int8":
-                param.write(lo, draw)
-            else:
-                param[lo:lo + rows] = cast_nearest(draw, dtype)
+            storage.put(param, lo, paddle.normal(0.0, std, [rows, shape[1]]))  # to nearest
     return param
 
 

@@ -39,7 +39,7 @@ import paddle
 from ..cpu_kernels import cpu_set
 from ..numerics import cast_nearest, dtype_name
 
-__all__ = ["round_to", "uniform_noise", "StochasticBits", "BitsBatch"]
+__all__ = ["round_to", "round_stacked", "uniform_noise", "StochasticBits", "BitsBatch"]
 
 if sys.byteorder != "little":  # the bfloat16 path takes the upper halves of int32 words
     raise ImportError("plsc.optim.rounding assumes a little-endian host")
@@ -105,7 +105,6 @@ def _column_terms(m, place):
 def _hash(v, key, c):
     """splitmix64(v·golden + key), elementwise on an int64 tensor (wrapping int64 ops,
     logical right shifts)."""
-    shr = lambda z, s: paddle.bitwise_right_shift(z, c[s], is_arithmetic=False)  # noqa: E731
     z = v * c["golden"] + _key_tensor(key, v.place)
     return _mix(z, c)
 
@@ -180,6 +179,15 @@ def _float16_ulp(x):
     exponent = paddle.expand(_const(0x7F800000, x.place, "int32").reshape([1, 1]), x.shape)
     power = exponent.bitwise_and_(x.view("int32")).view("float32")  # 2^e; 0 below normal
     return power.clip_(2.0 ** -14, 2.0 ** 15).scale_(2.0 ** -10)
+
+
+def round_stacked(values, dtype, bits):
+    """float32 `values` (`[K, r, m]`: K arrays' rows) rounded stochastically to the 16-bit
+    `dtype` in one pass, with `bits` (`BitsBatch.stacked` of their streams; consumed): the
+    device set's rounding of several arrays at once, each the bits `round_to` gives it."""
+    if dtype_name(dtype) == "bfloat16":
+        return _bfloat16_stochastic_device(values, bits)
+    return _float16_stochastic(values, bits)
 
 
 def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, stream=0):
@@ -277,12 +285,27 @@ class BitsBatch:
     def __init__(self, seed, step, rank, rows, m, streams):
         self.seed, self.step, self.rank, self.rows, self.m = seed, step, rank, rows, m
         self.streams = dict(streams)
-        self._bits = None
+        self._groups = None  # [(streams, int32 bits [len(streams), r, m])]
 
     def bits(self, stream):
-        if self._bits is None:
-            self._bits = self._compute()
-        return self._bits[stream]
+        """`[r, m]` int32: the bits of one stream."""
+        for streams, bits in self._computed():
+            if stream in streams:
+                return bits[streams.index(stream)] if len(streams) > 1 else bits[0]
+        raise KeyError(stream)
+
+    def stacked(self, streams):
+        """`[len(streams), r, m]` int32: the bits of `streams` in that order, when they are
+        the streams of one extraction (arrays of one storage), else None."""
+        for group, bits in self._computed():
+            if list(streams) == group:
+                return bits
+        return None
+
+    def _computed(self):
+        if self._groups is None:
+            self._groups = self._compute()
+        return self._groups
 
     def _compute(self):
         rows, m = self.rows, self.m
@@ -299,7 +322,7 @@ class BitsBatch:
             groups = [(list(range(len(streams))), specs[0])]
         else:
             groups = [([k], spec) for k, spec in enumerate(specs)]
-        out = {}
+        out = []
         for ks, (bits, shift, base) in groups:
             part = h if len(ks) == len(streams) else h[ks[0]:ks[0] + 1]
             part = paddle.bitwise_right_shift(part, _const(64 - bits, place), is_arithmetic=False)
@@ -309,6 +332,5 @@ class BitsBatch:
             column = part[:, r:] if not base else \
                 paddle.bitwise_or(part[:, r:], _const(base, place, "int32"))
             both = paddle.bitwise_xor(part[:, :r].unsqueeze(2), column.unsqueeze(1))
-            for j, k in enumerate(ks):
-                out[streams[k]] = both[j]
+            out.append(([streams[k] for k in ks], both))
         return out

@@ -36,7 +36,7 @@ import paddle
 from .. import storage
 from ..cpu_kernels import all_finite, cpu_set, finite_flag
 from ..numerics import sqrt_exact, to_float32
-from .rounding import BitsBatch, StochasticBits
+from .rounding import BitsBatch, StochasticBits, round_stacked
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
@@ -171,6 +171,7 @@ class SparseRowOptimizer:
                              dict(state, **{"": param}))
                 part = grad if (start, stop) == (lo, hi) else grad[start - lo:stop - lo]
                 self._update(param, state, rows, part, lr)
+                rows.flush()
 
     def discard(self, head):
         """Drop the pending gradients without applying them (a skipped step)."""
@@ -303,6 +304,7 @@ class _Rows:
         self.index = index[start:stop] if index is not None else None
         self.start, self.stop = start, stop
         self.batch = None
+        self._pending = []  # 16-bit writes rounded together by `flush` (the device set)
         if arrays and opt.rounding == "stochastic" and self.index is not None \
                 and not cpu_set(self.index):
             # The device set hashes the random bits of every rounded array of these rows
@@ -325,10 +327,40 @@ class _Rows:
         if not storage.is_float32(t):
             self.opt._rounded = True
             if self.opt.rounding == "stochastic":
+                if self.batch is not None and storage.name(t) in ("bfloat16", "float16") \
+                        and value.ndim == 2:
+                    self._pending.append((t, value, key))
+                    return
                 bits = StochasticBits(self.opt.seed, _stream(self.name, key),
                                       self.opt.step_count, self.rank, self.batch)
         storage.put(t, self.start if self.index is None else self.index, value, bits,
                     self.keep)
+
+    def flush(self):
+        """Store the deferred 16-bit writes (device set, stochastic rounding): arrays whose
+        bits `BitsBatch` drew in one extraction are rounded together in one pass (their bits
+        are the ones each would get alone), then stored one by one."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        by_stream = {_stream(self.name, key): (t, value) for t, value, key in pending}
+        order = [s for s in self.batch.streams if s in by_stream] + \
+            [s for s in by_stream if s not in self.batch.streams]
+        bits = self.batch.stacked(order) if len(order) > 1 else None
+        if bits is None or len({storage.name(by_stream[s][0]) for s in order}) > 1:
+            for stream in order:
+                t, value = by_stream[stream]
+                storage.put(t, self.index, value,
+                            StochasticBits(self.opt.seed, stream, self.opt.step_count,
+                                           self.rank, self.batch), self.keep)
+            return
+        values = paddle.stack([storage.kept(by_stream[s][0], self.index, by_stream[s][1],
+                                            self.keep) for s in order])
+        rounded = round_stacked(values, by_stream[order[0]][0].dtype, bits)
+        if rounded.shape[-1] % 2 == 0:  # the arrays' rows as int32 pairs, split in one op
+            rounded = paddle.unbind(rounded.view("int32"), 0)
+        for j, stream in enumerate(order):
+            storage.put(by_stream[stream][0], self.index, rounded[j])
 
 
 def _stream(name, key):
@@ -386,9 +418,8 @@ class SparseAdamW(SparseRowOptimizer):
         rows.write(state["moment1"], m, "moment1")
         rows.write(state["moment2"], v, "moment2")
         rows.write(state["steps"], t, "steps")
-        both = _bias_corrections(self.beta1, self.beta2, t, w.place)  # [r, 2]
-        c1, c2 = (both[:, 0], both[:, 1]) if len(w.shape) == 1 else (both[:, 0:1], both[:, 1:2])
-        if len(w.shape) > 2:
+        c1, c2 = _bias_corrections(self.beta1, self.beta2, t, w.place)  # [r, 1] each
+        if len(w.shape) != 2:
             shape = [-1] + [1] * (len(w.shape) - 1)
             c1, c2 = c1.reshape(shape), c2.reshape(shape)
         w = w * (1.0 - lr * self.weight_decay)
@@ -400,20 +431,20 @@ _CORRECTIONS = {}
 
 
 def _bias_corrections(beta1, beta2, steps, place):
-    """float32 `[1 - beta1**t, 1 - beta2**t]` for each row's step count t (`[r, 2]`), looked
-    up in one table computed in float64 on the host (1 - 0.999**t loses 4 digits in float32;
-    and a vectorised pow need not round alike for every chunk length, which the fused update's
-    bit-for-bit contract needs). From the t where beta**t < 2^-25 on the value is 1.0 in
-    float32: each column holds its value there from then on, and the table stops at the later
-    of the two."""
+    """float32 `1 - beta1**t` and `1 - beta2**t` (`[r, 1]` each) for each row's step count t,
+    looked up in tables computed in float64 on the host (1 - 0.999**t loses 4 digits in
+    float32; and a vectorised pow need not round alike for every chunk length, which the fused
+    update's bit-for-bit contract needs). From the t where beta**t < 2^-25 on the value is 1.0
+    in float32: each table holds its value there from then on, and both stop at the later of
+    the two."""
     key = (beta1, beta2, str(place))
     if key not in _CORRECTIONS:
         caps = [1 if b <= 0.0 else int(math.ceil(-25 * math.log(2) / math.log(b))) + 1
                 for b in (beta1, beta2)]
         table = [[1.0 - b ** min(t, cap) for b, cap in zip((beta1, beta2), caps)]
                  for t in range(max(caps) + 1)]
-        _CORRECTIONS[key] = paddle.to_tensor(table, dtype="float64", place=place) \
-            .astype("float32")
-    table = _CORRECTIONS[key]
-    index = paddle.clip(steps, max=table.shape[0] - 1).astype("int64")
-    return paddle.gather(table, index)
+        table = paddle.to_tensor(table, dtype="float64", place=place).astype("float32")
+        _CORRECTIONS[key] = (table[:, 0:1].contiguous(), table[:, 1:2].contiguous())
+    first, second = _CORRECTIONS[key]
+    index = paddle.clip(steps, max=first.shape[0] - 1).astype("int64")
+    return paddle.gather(first, index), paddle.gather(second, index)
