@@ -155,7 +155,7 @@ SCHEMA = {
                                   "0: stop at the first); with float16 AMP, skips at the loss "
                                   "scaler's floor", low=0),
         "cpu_threads": _k(int, None, "CPU threads per rank; null: the rank's usable cores divided "
-                          "by the ranks on its node (an OMP_NUM_THREADS above 1 is kept)",
+                          "by the ranks on its node (the user's OMP_NUM_THREADS is kept)",
                           nullable=True, low=1),
     },
     "Model": {

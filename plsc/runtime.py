@@ -10,18 +10,16 @@ head GEMM at 24 GFLOP/s without, 80 with). MKL reads the variable at its first m
 so `blas_dispatch` runs at ``import plsc``, which does not import Paddle. Intel processors,
 processors without AVX2, a variable the user set, and ``PLSC_MKL_DISPATCH=keep`` are left alone.
 
-**Threads.** Paddle runs a process's CPU kernels on ``OMP_NUM_THREADS`` threads, and writes 1
-into the environment of every process that imports it when the variable is unset (so that a
-launcher's ranks inherit 1). A value of 1 therefore cannot be told from "unset" and counts as
-unset: each rank then uses the cores it may run on (its affinity mask, and a cgroup CPU quota
-where one is set) divided by the ranks on its node, at least 1. A larger value is the user's
-and is kept; ``Global.cpu_threads`` overrides both.
+**Threads.** One rule for runs and for a user's own loop, in `plsc.threads`: Global.cpu_threads,
+else the user's OMP_NUM_THREADS, else the usable cores divided by the ranks on the node.
 """
-import math
 import os
 import platform
 import sys
 import warnings
+
+from . import threads
+from .threads import choose as cpu_threads, usable_cores  # noqa: F401 (this module's API)
 
 __all__ = ["blas_dispatch", "BLAS_NOTE", "THREADS_NOTE", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE",
@@ -87,53 +85,6 @@ def blas_dispatch(environ=os.environ, cpu=None):
     return BLAS_NOTE
 
 
-def _cgroup_cores():
-    """CPUs allowed by a cgroup (v2 cpu.max or v1 cfs quota), or None when there is no quota."""
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
-                                     "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
-        try:
-            with open(quota_file) as f:
-                fields = f.read().split()
-            if period_file is None:
-                quota, period = fields[0], fields[1]
-            else:
-                with open(period_file) as f:
-                    quota, period = fields[0], f.read().split()[0]
-        except (OSError, IndexError):
-            continue
-        if quota in ("max", "-1"):
-            return None
-        return max(1, math.floor(int(quota) / int(period)))
-    return None
-
-
-def usable_cores():
-    """Cores this process may run on: its affinity mask, capped by a cgroup CPU quota."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = _cgroup_cores()
-    return min(cores, quota) if quota else cores
-
-
-def cpu_threads(requested=None, environ=os.environ):
-    """(threads for this rank's CPU kernels, why): `requested` (Global.cpu_threads), else an
-    OMP_NUM_THREADS above 1, else the usable cores divided by the ranks on this node."""
-    if requested:
-        return int(requested), "Global.cpu_threads"
-    try:
-        omp = int(environ.get("OMP_NUM_THREADS", "1"))
-    except ValueError:
-        omp = 1
-    if omp > 1:
-        return omp, "OMP_NUM_THREADS"
-    local = max(1, int(environ.get("PADDLE_LOCAL_SIZE", "1") or 1))
-    cores = usable_cores()
-    return max(1, cores // local), f"{cores} usable core(s) / {local} rank(s) on this node"
-
-
 def kernel_threads():
     """Threads of plsc's own CPU kernels (`plsc.cpu_kernels`, e.g. `plsc.models.prelu`'s):
     those `set_cpu_threads` gave Paddle, 1 before it is called (Paddle's own default)."""
@@ -142,15 +93,10 @@ def kernel_threads():
 
 
 def set_cpu_threads(requested=None):
-    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own; returns (and keeps in
-    `THREADS_NOTE`) a line for the log."""
+    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own (`plsc.threads.apply`);
+    returns (and keeps in `THREADS_NOTE`) a line for the log."""
     global THREADS_NOTE
-    from paddle.base import core
-    from . import cpu_kernels
-    threads, why = cpu_threads(requested)
-    core.set_num_threads(threads)
-    cpu_kernels.set_threads(threads)
-    THREADS_NOTE = f"CPU threads per rank: {threads} ({why})"
+    THREADS_NOTE = threads.apply(requested)
     return THREADS_NOTE
 
 

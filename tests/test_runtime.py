@@ -1,4 +1,4 @@
-"""CPU set-up: MKL's dispatch on AMD processors and the threads of each rank."""
+"""CPU set-up: MKL's dispatch on AMD processors (the threads: test_threads.py), the device choice."""
 import os
 import subprocess
 import sys
@@ -33,20 +33,6 @@ def test_import_plsc_sets_it_before_paddle_and_keep_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PLSC_MKL_DISPATCH="keep"),
                          capture_output=True, text=True).stdout
     assert out.split() == ["None", "False"]
-
-
-def test_threads_per_rank():
-    cores = len(os.sched_getaffinity(0))
-    quota = runtime._cgroup_cores()
-    usable = min(cores, quota) if quota else cores
-    assert runtime.usable_cores() == usable
-    assert runtime.cpu_threads(None, {}) == (usable, f"{usable} usable core(s) / 1 rank(s) on this node")
-    # Paddle writes OMP_NUM_THREADS=1 into every environment that imports it: 1 counts as unset
-    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "1"})[0] == usable
-    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "1", "PADDLE_LOCAL_SIZE": str(usable)})[0] == 1
-    assert runtime.cpu_threads(None, {"PADDLE_LOCAL_SIZE": str(4 * usable)})[0] == 1  # at least 1
-    assert runtime.cpu_threads(None, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
-    assert runtime.cpu_threads(5, {"OMP_NUM_THREADS": "3"}) == (5, "Global.cpu_threads")
 
 
 # ------------------------------------------------- the device choice, with the device faked

@@ -1,0 +1,70 @@
+"""The CPU thread count: one rule (`plsc.threads.choose`) for a run and for a user's own loop,
+applied once when plsc first builds a model, a head or an optimizer, never against the user.
+Checked in fresh processes by reading the OpenMP runtime Paddle's CPU kernels run on."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plsc import threads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+USABLE = threads.usable_cores()
+
+# What Paddle's kernels run on: its bundled OpenMP runtime's thread count, read with ctypes.
+READ = """
+import ctypes, os, paddle
+lib = ctypes.CDLL(os.path.join(os.path.dirname(paddle.__file__), "libs", "libiomp5.so"))
+from plsc import cpu_kernels
+print(lib.omp_get_max_threads(), cpu_kernels.threads())
+"""
+LOOP = {  # a user's own loop, each building one thing of plsc (no runtime call)
+    "model": "from plsc.models import build_model\nbuild_model('IResNetTiny')\n",
+    "head": "from plsc.nn import PartialFC\nPartialFC(8, 10)\n",
+    "optimizer": "from plsc.optim import SparseMomentum\nSparseMomentum(0.1)\n",
+}
+RUN = "import plsc\nfrom plsc import runtime\nruntime.set_cpu_threads()\n"  # as runtime.start
+
+
+def _threads(code, **env):
+    """(Paddle's threads, plsc kernels' threads) after `code`, in a fresh process started with
+    the environment `env` on top of this one's minus OMP_NUM_THREADS and the launcher's keys
+    (this process imported Paddle, which wrote OMP_NUM_THREADS=1 into its environment)."""
+    base = {k: v for k, v in os.environ.items()
+            if k != "OMP_NUM_THREADS" and not k.startswith("PADDLE_")}
+    out = subprocess.run([sys.executable, "-c", code + READ], env=dict(base, PYTHONPATH=ROOT, **env),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tuple(int(v) for v in out.stdout.split()[-2:])
+
+
+def test_the_rule():
+    assert threads.choose(None, {}) == (USABLE, f"{USABLE} usable core(s) / 1 rank(s) on this node")
+    assert threads.choose(None, {"OMP_NUM_THREADS": "1"}) == (1, "OMP_NUM_THREADS")  # the user's
+    # in a launched rank a 1 is the launcher's Paddle import: unset
+    launched = {"OMP_NUM_THREADS": "1", "PADDLE_TRAINER_ID": "0", "PADDLE_LOCAL_SIZE": "1"}
+    assert threads.choose(None, launched)[0] == USABLE
+    assert threads.choose(None, dict(launched, PADDLE_LOCAL_SIZE=str(USABLE)))[0] == 1
+    assert threads.choose(None, {"PADDLE_LOCAL_SIZE": str(4 * USABLE)})[0] == 1  # at least 1
+    assert threads.choose(None, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+    assert threads.choose(None, dict(launched, OMP_NUM_THREADS="3"))[0] == 3
+    assert threads.choose(5, {"OMP_NUM_THREADS": "3"}) == (5, "Global.cpu_threads")
+    assert threads.choose(None, {"OMP_NUM_THREADS": "x"})[0] == USABLE
+
+
+@pytest.mark.skipif(USABLE < 2, reason="one usable core: the rule's count is Paddle's default")
+def test_a_users_loop_gets_a_runs_threads_and_keeps_its_own():
+    run = _threads(RUN)
+    assert run == (USABLE, USABLE)
+    for what, code in LOOP.items():
+        assert _threads(code) == run, what
+        assert _threads(code, OMP_NUM_THREADS="1") == (1, 1), what  # the user's 1 is kept
+    # paddle imported first (it writes OMP_NUM_THREADS=1): still the rule, not Paddle's 1
+    assert _threads("import paddle\n" + LOOP["head"]) == run
+    # the user set Paddle's threads before plsc: kept, and plsc's kernels follow them
+    own = "from paddle.base import core\ncore.set_num_threads(3)\n"
+    assert _threads(own + LOOP["model"]) == (3, 3)
+    # a launched rank (the launcher's 1 inherited): the rule, per rank
+    assert _threads(LOOP["optimizer"], OMP_NUM_THREADS="1", PADDLE_TRAINER_ID="0",
+                    PADDLE_LOCAL_SIZE="1") == run
