@@ -98,8 +98,9 @@ def put(t, where, values, bits=None, keep=None):
     rows)` gives 16-bit values and whose `noise(rows, width)` gives uniform [0, 1) noise for
     8-bit codes (`plsc.optim.rounding.StochasticBits`), `rows` the global row indices. float32
     storage takes `values` as they are, and so does any storage for values already of its
-    dtype (rounded by the caller), or, for 16-bit rows of even width, int32 `[k, width / 2]`
-    holding such values' bits in pairs (the device set's batched rounding hands them over so). `keep`: a 0-d bool tensor; where true, the rows keep their
+    dtype (rounded by the caller), or, for 16-bit rows of even width at an index, int32
+    `[k, width / 2]` holding such values' bits in pairs (the device set's batched rounding
+    hands them over so). `keep`: a 0-d bool tensor; where true, the rows keep their
     stored bits (float32 values only: they are replaced by the stored ones, `kept`), decided
     on the device."""
     if isinstance(t, Int8Rows):
@@ -110,12 +111,10 @@ def put(t, where, values, bits=None, keep=None):
         t.write(where, values, noise, keep=keep)
         return
     if values.dtype == paddle.int32 and t.dtype in (paddle.bfloat16, paddle.float16):
-        if keep is not None or t.ndim != 2 or 2 * values.shape[-1] != t.shape[1]:
-            raise ValueError("put: int32 pairs of 16-bit values need 2-D rows and no keep")
-        if isinstance(where, int):
-            t.view("int32")[where:where + values.shape[0]] = values
-        else:
-            t.view("int32").scatter_(where, values, overwrite=True)
+        if keep is not None or isinstance(where, int) or t.ndim != 2 \
+                or 2 * values.shape[-1] != t.shape[1]:
+            raise ValueError("put: int32 pairs of 16-bit values need an index, 2-D rows, no keep")
+        t.view("int32").scatter_(where, values, overwrite=True)
         return
     if values.dtype == paddle.float32:
         values = kept(t, where, values, keep)

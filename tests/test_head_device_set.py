@@ -46,7 +46,9 @@ def _step(margin, x, y, w, kernels, monkeypatch, dtype="float32", **kw):
 
 
 HEADS = {"dense": dict(chunk_size=0), "chunked": dict(chunk_size=13),
-         "pfc": dict(sample_ratio=0.4, chunk_size=0)}
+         "pfc": dict(sample_ratio=0.4, chunk_size=0),
+         # the device budget lowered to 20 rows (3 slabs of the 57), no workspace buffers
+         "dense-slabs": dict(chunk_size=0, reuse_buffers=False)}
 MARGIN_CASES = {"arcface": lambda: ArcFace(), "cosface": lambda: CosFace(),
                 "arcface-filter": lambda: ArcFace(), "adaface": lambda: AdaFace()}
 
@@ -56,6 +58,8 @@ MARGIN_CASES = {"arcface": lambda: ArcFace(), "cosface": lambda: CosFace(),
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_device_set_equals_cpu_set(head, margin, dtype, monkeypatch):
     make, s = MARGIN_CASES[margin], MARGIN_CASES[margin]().scale
+    if head == "dense-slabs":
+        monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 20 * 16 * 4)
     kw = dict(HEADS[head])
     if margin == "arcface-filter":
         kw["interclass_filtering_threshold"] = 0.05

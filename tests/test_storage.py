@@ -69,6 +69,26 @@ def test_put_with_keep_leaves_the_stored_bits(dtype):
     np.testing.assert_allclose(_values(t)[[1, 5, 30]], 7.0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_put_stores_values_already_in_the_storage_as_they_are(dtype):
+    """16-bit values (rounded by the caller) and their bits as int32 pairs (the device set's
+    batched rounding) are stored bit for bit; keep and a start row need float32 values."""
+    rng = np.random.default_rng(2)
+    t = _array(dtype, rng.standard_normal([N, D]).astype(np.float32))
+    new = paddle.to_tensor(rng.standard_normal([3, D]).astype(np.float32)).astype(dtype)
+    bits = new.numpy().view(np.uint16)
+    storage.put(t, paddle.to_tensor(np.array([4, 9, 11], np.int64)), new)
+    storage.put(t, paddle.to_tensor(np.array([20, 0, 33], np.int64)), new.view("int32"))
+    stored = t.numpy().view(np.uint16)
+    np.testing.assert_array_equal(stored[[4, 9, 11]], bits)
+    np.testing.assert_array_equal(stored[[20, 0, 33]], bits)
+    with pytest.raises(ValueError, match="int32 pairs"):
+        storage.put(t, 3, new.view("int32"))
+    with pytest.raises(ValueError, match="keep needs float32"):
+        storage.put(t, paddle.to_tensor(np.array([1, 2, 3], np.int64)), new,
+                    keep=paddle.to_tensor(True))
+
+
 def test_slab_rows_from_the_budget_of_the_kernel_set(both_kernel_sets):
     t = paddle.zeros([4, 512])
     expected = (32 << 20) // 2048 if both_kernel_sets == "cpu" else (256 << 20) // 2048
