@@ -24,7 +24,7 @@ not leak from one to the next), this script started again with `--worker KIND`:
   run does (`plsc.runtime.start`): threads by plsc's rule (`set_cpu_threads`) and malloc
   keeping freed memory (`keep_freed_memory`); then `build_model(name)`.
 - plsc_loop: a user's own loop: `import plsc`, `from plsc.models import build_model`, nothing
-  else (building the model applies plsc's thread rule, `plsc.threads.ensure`).
+  else (building the model applies plsc's thread rule, `plsc.cpu_setup.ensure`).
 - torch: `--torch-python`'s interpreter with torch's default threads, the model from
   arcface_torch's own source: `backbones.get_model(name, num_features=512)` imported from the
   directory `--arcface-torch` (holding arcface_torch's `backbones/` package). Its vit.py imports

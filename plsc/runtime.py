@@ -10,16 +10,17 @@ head GEMM at 24 GFLOP/s without, 80 with). MKL reads the variable at its first m
 so `blas_dispatch` runs at ``import plsc``, which does not import Paddle. Intel processors,
 processors without AVX2, a variable the user set, and ``PLSC_MKL_DISPATCH=keep`` are left alone.
 
-**Threads.** One rule for runs and for a user's own loop, in `plsc.threads`: Global.cpu_threads,
-else the user's OMP_NUM_THREADS, else the usable cores divided by the ranks on the node.
+**Threads and malloc** (`plsc.cpu_setup`, the same for runs and for a user's own loop): threads
+by one rule (Global.cpu_threads, else the user's OMP_NUM_THREADS, else the usable cores divided
+by the ranks on the node), and malloc keeping freed blocks on the CPU.
 """
 import os
 import platform
 import sys
 import warnings
 
-from . import threads
-from .threads import choose as cpu_threads, usable_cores  # noqa: F401 (this module's API)
+from . import cpu_setup
+from .cpu_setup import choose as cpu_threads, usable_cores  # noqa: F401 (this module's API)
 
 __all__ = ["blas_dispatch", "BLAS_NOTE", "THREADS_NOTE", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE",
@@ -93,37 +94,17 @@ def kernel_threads():
 
 
 def set_cpu_threads(requested=None):
-    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own (`plsc.threads.apply`);
+    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own (`plsc.cpu_setup.apply`);
     returns (and keeps in `THREADS_NOTE`) a line for the log."""
     global THREADS_NOTE
-    THREADS_NOTE = threads.apply(requested)
+    THREADS_NOTE = cpu_setup.apply(requested)
     return THREADS_NOTE
 
 
-_KEEP_BYTES = 1 << 30  # freed blocks up to this size stay in the heap (mallopt's int limit: 2 GiB)
-
-
 def keep_freed_memory(environ=os.environ):
-    """Let glibc's malloc keep freed memory instead of unmapping it (tensors above 32 MiB are
-    otherwise mmapped and unmapped one by one, so every op writing a large output first takes a
-    page fault per 4 KiB: 0.04 s of a 0.05 s fill of a fresh [32, 64, 112, 112] float32 tensor
-    on this project's machine). Sets M_MMAP_THRESHOLD and M_TRIM_THRESHOLD to 1 GiB with
-    mallopt; `PLSC_MALLOC=keep` leaves malloc as it is. Returns (and keeps in `MALLOC_NOTE`) a
-    line for the log, None off glibc."""
+    """`plsc.cpu_setup.keep_freed_memory`; its line is kept in `MALLOC_NOTE` too."""
     global MALLOC_NOTE
-    if environ.get("PLSC_MALLOC", "").lower() == "keep":
-        MALLOC_NOTE = "malloc: left as it is (PLSC_MALLOC=keep)"
-        return MALLOC_NOTE
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        mmap_threshold, trim_threshold = -3, -1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-        ok = (libc.mallopt(mmap_threshold, ctypes.c_int(_KEEP_BYTES)) == 1
-              and libc.mallopt(trim_threshold, ctypes.c_int(_KEEP_BYTES)) == 1)
-    except (OSError, AttributeError):
-        return None
-    MALLOC_NOTE = ("malloc: freed blocks up to 1 GiB kept for reuse (PLSC_MALLOC=keep turns "
-                   "this off)" if ok else "malloc: glibc refused mallopt; left as it is")
+    MALLOC_NOTE = cpu_setup.keep_freed_memory(environ)
     return MALLOC_NOTE
 
 

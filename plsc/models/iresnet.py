@@ -6,7 +6,7 @@ from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, lin
                      normal_attr)
 from .prelu import PReLU
 from .recompute import run_blocks
-from .. import threads
+from .. import cpu_setup
 
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100",
            "iresnet200", "iresnet_tiny", "IRESNET_DEPTHS"]
@@ -74,7 +74,7 @@ class IResNet(nn.Layer):
     def __init__(self, layers, widths=(64, 128, 256, 512), embedding_size=512,
                  input_size=(112, 112), dropout=0.0, zero_init_residual=False, recompute=False):
         super().__init__()
-        threads.ensure()  # the rule of a run, unless the user chose (plsc.threads)
+        cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         self.recompute = bool(recompute)
         if len(layers) != 4 or len(widths) != 4:
             raise ValueError(f"IResNet needs 4 stages, got layers={layers!r}, widths={widths!r}")

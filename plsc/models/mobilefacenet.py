@@ -3,7 +3,7 @@ import paddle
 from paddle import nn
 
 from .layers import ConvBNPReLU, as_hw, count_parameters, halve, kaiming_fan_out_attr
-from .. import threads
+from .. import cpu_setup
 
 __all__ = ["MobileFaceNet", "mobilefacenet_large"]
 
@@ -76,7 +76,7 @@ class MobileFaceNet(nn.Layer):
     def __init__(self, embedding_size=512, input_size=(112, 112), dropout=0.0,
                  blocks=(1, 4, 6, 2), scale=2):
         super().__init__()
-        threads.ensure()  # the rule of a run, unless the user chose (plsc.threads)
+        cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         if dropout:
             raise ValueError("MobileFaceNet has no dropout layer; use dropout=0.0")
         if len(blocks) != 4:

@@ -31,7 +31,7 @@ from paddle import nn
 
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .recompute import run_blocks
-from .. import threads
+from .. import cpu_setup
 
 __all__ = ["VisionTransformer", "VIT_OPTIONS", "DropPath", "Attention", "Mlp", "Block",
            "PatchEmbed"]
@@ -210,7 +210,7 @@ class VisionTransformer(nn.Layer):
                  depth=12, num_heads=8, patch_size=9, mlp_ratio=4.0, qkv_bias=False,
                  drop_path_rate=0.0, mask_ratio=0.0, attn_dropout=0.0, recompute=False):
         super().__init__()
-        threads.ensure()  # the rule of a run, unless the user chose (plsc.threads)
+        cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         self.recompute = bool(recompute)
         for name, value in (("dropout", dropout), ("attn_dropout", attn_dropout)):
             if not 0.0 <= value < 1.0:

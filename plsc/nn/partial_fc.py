@@ -8,7 +8,7 @@ from paddle import nn
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
 from ..cpu_kernels import DEVICE_SLAB_BYTES, cpu_set, take_rows
 from ..numerics import SLAB_BYTES
-from .. import storage, threads
+from .. import cpu_setup, storage
 from ..storage import HEAD_DTYPES, take as take_f32
 from ..loss import ArcFace, Margin
 from .parallel_softmax import parallel_softmax_cross_entropy
@@ -87,7 +87,7 @@ class PartialFC(nn.Layer):
                  logits_budget=2 << 30, reuse_buffers=True, param_dtype="float32",
                  sub_centers=1, interclass_filtering_threshold=0.0):
         super().__init__()
-        threads.ensure()  # the rule of a run, unless the user chose (plsc.threads)
+        cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         margin = ArcFace() if margin is None else margin
         if not isinstance(margin, Margin):
             raise TypeError(f"margin must be a plsc.loss.Margin, got {type(margin).__name__}")

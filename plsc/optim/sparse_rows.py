@@ -33,7 +33,7 @@ import zlib
 
 import paddle
 
-from .. import storage, threads
+from .. import cpu_setup, storage
 from ..cpu_kernels import all_finite, cpu_set, finite_flag
 from ..numerics import sqrt_exact, to_float32
 from .rounding import BitsBatch, StochasticBits, round_stacked
@@ -61,7 +61,7 @@ class SparseRowOptimizer:
     int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
-        threads.ensure()  # the rule of a run, unless the user chose (plsc.threads)
+        cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         if state_dtype is not None and state_dtype not in storage.HEAD_DTYPES:
             raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16, "
                              f"float16 or int8, got {state_dtype!r}")

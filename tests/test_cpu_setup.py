@@ -1,13 +1,15 @@
-"""The CPU thread count: one rule (`plsc.threads.choose`) for a run and for a user's own loop,
-applied once when plsc first builds a model, a head or an optimizer, never against the user.
-Checked in fresh processes by reading the OpenMP runtime Paddle's CPU kernels run on."""
+"""A run's CPU set-up for a user's own loop too (`plsc.cpu_setup`): the thread count by one rule
+(`choose`), applied once when plsc first builds a model, a head or an optimizer, never against
+the user; and malloc keeping freed blocks. Checked in fresh processes by reading the OpenMP
+runtime Paddle's CPU kernels run on, and by counting the page faults of refilling a large
+tensor."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from plsc import threads
+from plsc import cpu_setup as threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USABLE = threads.usable_cores()
@@ -68,3 +70,35 @@ def test_a_users_loop_gets_a_runs_threads_and_keeps_its_own():
     # a launched rank (the launcher's 1 inherited): the rule, per rank
     assert _threads(LOOP["optimizer"], OMP_NUM_THREADS="1", PADDLE_TRAINER_ID="0",
                     PADDLE_LOCAL_SIZE="1") == run
+
+
+# Page faults of refilling a fresh 256 MiB tensor (the fewest of three): few when malloc keeps
+# freed blocks, about one a page when it unmaps them (tests/test_cpu_kernels.py's oracle).
+FAULTS = """
+import resource, numpy as np, paddle
+def fill():
+    np.from_dlpack(paddle.empty([64 << 20])).fill(1)
+fill()
+counts = []
+for _ in range(3):
+    minor = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fill()
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - minor)
+print(min(counts))
+"""
+
+
+def _faults(code, **env):
+    base = {k: v for k, v in os.environ.items() if k not in ("PLSC_MALLOC", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code + FAULTS], env=dict(base, PYTHONPATH=ROOT, **env),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split()[-1])
+
+
+def test_a_users_loop_keeps_freed_memory_as_a_run_does():
+    pages = (256 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert _faults("import plsc\n") > pages // 2  # nothing built: malloc as it was
+    for what, code in LOOP.items():
+        assert _faults(code) < pages // 10, what
+    assert _faults(LOOP["head"], PLSC_MALLOC="keep") > pages // 2  # the user's opt-out
