@@ -117,7 +117,9 @@ def paddle_threads():
     try:
         import paddle
         lib = os.path.join(os.path.dirname(paddle.__file__), "libs", "libiomp5.so")
-        return int(ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).omp_get_max_threads())
+        # RTLD_NOLOAD: a handle only if Paddle loaded it; local scope, so that no other
+        # library (e.g. faiss, with its own OpenMP) resolves to it afterwards
+        return int(ctypes.CDLL(lib, mode=os.RTLD_NOLOAD).omp_get_max_threads())
     except (OSError, AttributeError, ImportError):
         return None
 
