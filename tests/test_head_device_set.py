@@ -108,8 +108,8 @@ def test_partial_fc_count_does_not_grow_with_the_classes(dtype, monkeypatch):
     shard's 5,000 rows of d = 16 are just inside it, the narrow gather included)."""
     monkeypatch.setattr(ps, "_DEVICE_WGRAD_BYTES", 5_000 * 16 * 4)
     monkeypatch.setattr(cpu_kernels, "DEVICE_SLAB_BYTES", 5_000 * 16 * 4)
-    import plsc.nn.partial_fc as pfc
-    monkeypatch.setattr(pfc, "DEVICE_SLAB_BYTES", 5_000 * 16 * 4)
+    from plsc import storage
+    monkeypatch.setattr(storage, "DEVICE_SLAB_BYTES", 5_000 * 16 * 4)
     small = _head_counts(2_000, monkeypatch, ratio=0.1, dtype=dtype)[0]
     large = _head_counts(50_000, monkeypatch, ratio=0.1, dtype=dtype)[0]
     assert small == large, (small, large)

@@ -6,7 +6,7 @@ import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
-from ..cpu_kernels import DEVICE_SLAB_BYTES, cpu_set, take_rows
+from ..cpu_kernels import take_rows
 from ..numerics import SLAB_BYTES
 from .. import cpu_setup, storage
 from ..storage import HEAD_DTYPES, take as take_f32
@@ -210,8 +210,8 @@ class PartialFC(nn.Layer):
     def _gather_rows(self, name, param, index):
         """Rows `index` of `param`, float32, as a new leaf (written into a lent buffer when
         there is one), so the gradient is `[num_sample, ...]`, never the whole shard's. 16-bit
-        rows are gathered and upcast a slab at a time into the float32 rows (`SLAB_BYTES` of
-        them on the CPU set, `DEVICE_SLAB_BYTES` on the device set)."""
+        rows are gathered and upcast a slab at a time into the float32 rows (`storage.slab_rows`:
+        the budget of the kernel set serving them)."""
         shape = [index.shape[0]] + list(param.shape[1:])
         out = self.workspace.lend(name, shape, self, "float32")
         source = param.detach() if storage.has_autograd(param) else param
@@ -220,8 +220,7 @@ class PartialFC(nn.Layer):
             rows = take_rows(source, index, out=rows)
         else:
             rows = rows if rows is not None else paddle.empty(shape, dtype="float32")
-            budget = SLAB_BYTES if cpu_set(index) else DEVICE_SLAB_BYTES
-            step = max(1, budget // (4 * max(1, math.prod(shape[1:]))))
+            step = storage.slab_rows(math.prod(shape[1:]), index)
             for lo in range(0, shape[0], step):
                 part = index[lo:lo + step]
                 rows[lo:lo + part.shape[0]] = take_f32(source, part)
