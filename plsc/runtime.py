@@ -19,17 +19,15 @@ import platform
 import sys
 import warnings
 
-from . import cpu_setup
-from .cpu_setup import choose as cpu_threads, usable_cores  # noqa: F401 (this module's API)
+from .cpu_setup import apply as set_cpu_threads, choose as cpu_threads  # noqa: F401
+from .cpu_setup import keep_freed_memory, usable_cores  # noqa: F401 (this module's API)
 
-__all__ = ["blas_dispatch", "BLAS_NOTE", "THREADS_NOTE", "cpu_description", "usable_cores",
-           "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory", "MALLOC_NOTE",
+__all__ = ["blas_dispatch", "BLAS_NOTE", "cpu_description", "usable_cores",
+           "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory",
            "select_device", "start", "build_backbone", "load_pretrained", "open_dataset", "DATA_HELP",
            "show_progress", "progress"]
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
-THREADS_NOTE = None  # what set_cpu_threads did, likewise
-MALLOC_NOTE = None  # what keep_freed_memory did, likewise
 
 
 def _cpu_info():
@@ -91,21 +89,6 @@ def kernel_threads():
     those `set_cpu_threads` gave Paddle, 1 before it is called (Paddle's own default)."""
     from . import cpu_kernels
     return cpu_kernels.threads()
-
-
-def set_cpu_threads(requested=None):
-    """Apply `cpu_threads` to Paddle's CPU kernels and plsc's own (`plsc.cpu_setup.apply`);
-    returns (and keeps in `THREADS_NOTE`) a line for the log."""
-    global THREADS_NOTE
-    THREADS_NOTE = cpu_setup.apply(requested)
-    return THREADS_NOTE
-
-
-def keep_freed_memory(environ=os.environ):
-    """`plsc.cpu_setup.keep_freed_memory`; its line is kept in `MALLOC_NOTE` too."""
-    global MALLOC_NOTE
-    MALLOC_NOTE = cpu_setup.keep_freed_memory(environ)
-    return MALLOC_NOTE
 
 
 def select_device(name, cpu_threads=None):

@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import runtime, startup
+from .. import cpu_setup, runtime, startup
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
@@ -351,7 +351,7 @@ class Trainer:
                       f"{self.total_steps} steps, head update "
                       f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
         if not self.device.startswith("gpu"):
-            for note in (runtime.BLAS_NOTE, runtime.THREADS_NOTE, runtime.MALLOC_NOTE):
+            for note in (runtime.BLAS_NOTE, cpu_setup.NOTE, cpu_setup.MALLOC_NOTE):
                 if note:
                     self.log.info(f"plsc: {note}")
         self.backbone.train()
