@@ -4,6 +4,7 @@ and exit code 65, an output folder in use or not writable into one line and 73 o
 SIGTERM or SIGINT before the work is done into one line and exit code 75 (`plsc.startup`)."""
 import argparse
 import atexit
+import json
 import os
 import signal
 import sys
@@ -11,7 +12,8 @@ import sys
 from . import startup
 from .config import ConfigError, load_config
 
-__all__ = ["config_parser", "add_onnx_options", "run_tool", "DATA_ERROR_EXIT_CODE"]
+__all__ = ["config_parser", "add_onnx_options", "run_tool", "report_summary",
+           "DATA_ERROR_EXIT_CODE"]
 
 DATA_ERROR_EXIT_CODE = 65  # EX_DATAERR: an input file is malformed
 
@@ -75,6 +77,20 @@ def run_tool(args, task, *extra, expected=(), before=None):
         _keep_status_on_sigterm(code)
     startup.end()
     return code
+
+
+def report_summary(tool, make):
+    """For a file-preparing tool without a config: call `make()`, print its summary (a dict) as
+    one JSON line and give 0; a DataError (a bad input line or file) prints one line,
+    `<tool>: error: ...`, and gives 65."""
+    from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
+    try:
+        summary = make()
+    except DataError as err:
+        print(f"{tool}: error: {err}", file=sys.stderr)
+        return DATA_ERROR_EXIT_CODE
+    print(json.dumps(summary))
+    return 0
 
 
 def _keep_status_on_sigterm(code):

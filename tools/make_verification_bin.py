@@ -13,10 +13,10 @@ with plsc.data.align to --image-size and stored as JPEG. The pack is written ato
 (and line) and exit status 65; a bad command line with 2.
 """
 import argparse
-import json
 import os
 import sys
 
+from plsc.cli import report_summary
 from plsc.data.errors import DataError
 from plsc.data.prepare import aligned_jpeg, read_bytes, read_landmark_list, read_pairs
 from plsc.data.transforms import decode_image
@@ -60,13 +60,8 @@ def main(argv=None):
     parser.add_argument("--image-size", type=int, default=112, help="aligned crop size (with --landmarks)")
     parser.add_argument("--quality", type=int, default=95, help="JPEG quality of aligned faces")
     args = parser.parse_args(argv)
-    try:
-        summary = make(args.pairs, args.output, args.root, args.landmarks, args.image_size, args.quality)
-    except DataError as err:
-        print(f"make_verification_bin: error: {err}", file=sys.stderr)
-        return 65
-    print(json.dumps(summary))
-    return 0
+    return report_summary("make_verification_bin", lambda: make(
+        args.pairs, args.output, args.root, args.landmarks, args.image_size, args.quality))
 
 
 if __name__ == "__main__":

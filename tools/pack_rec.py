@@ -17,11 +17,11 @@ Bad input ends with one line naming the file (and line) and exit status 65.
 """
 import argparse
 import functools
-import json
 import logging
 import os
 import sys
 
+from plsc.cli import report_summary
 from plsc.data.errors import DataError
 from plsc.data.prepare import aligned_or_error, in_order, read_landmark_list, resized_jpeg
 from plsc.data.facerec import write_face_rec
@@ -125,18 +125,13 @@ def main(argv=None):
                         help="processes encoding images (output byte-identical to 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    try:
-        if args.landmarks:
-            summary = pack_aligned(args.landmarks, args.output, args.image_size or 112, args.quality,
-                                   not args.no_header, args.skip_bad, args.list_root, args.prefix, args.workers)
-        else:
-            summary = pack(args.input, args.output, args.image_size, args.quality, not args.no_header,
-                           args.skip_bad, not args.no_verify, args.list_root, args.prefix, args.workers)
-    except DataError as err:
-        print(f"pack_rec: error: {err}", file=sys.stderr)
-        return 65
-    print(json.dumps(summary))
-    return 0
+    if args.landmarks:
+        return report_summary("pack_rec", lambda: pack_aligned(
+            args.landmarks, args.output, args.image_size or 112, args.quality, not args.no_header,
+            args.skip_bad, args.list_root, args.prefix, args.workers))
+    return report_summary("pack_rec", lambda: pack(
+        args.input, args.output, args.image_size, args.quality, not args.no_header, args.skip_bad,
+        not args.no_verify, args.list_root, args.prefix, args.workers))
 
 
 if __name__ == "__main__":
