@@ -73,6 +73,18 @@ def _images(batch):
         (batch, 3, IMAGE_SIZE, IMAGE_SIZE)).astype("float32")
 
 
+def _measure(result, step, warmup, steps, profiler=None):
+    """`result` with this process's notes and either the times of `steps` steps after `warmup`
+    (`times_s`) or, given a `profiler`, its profile of one step after the warm-up."""
+    result.update(_process_notes())
+    if profiler is not None:
+        _time_steps(step, warmup, 0)
+        result["profile"] = profiler(step)
+    else:
+        result["times_s"] = [round(t, 5) for t in _time_steps(step, warmup, steps)]
+    return result
+
+
 def _time_steps(step, warmup, steps):
     for _ in range(warmup):
         step()
@@ -187,9 +199,9 @@ def plsc_worker(kind, name, batch, warmup, steps, profile):
     import plsc  # noqa: F401  -- first: sets MKL's dispatch before Paddle loads
     setup = None
     if kind == "plsc_run":
-        from plsc import runtime
+        from plsc import cpu_setup, runtime
         runtime.select_device("cpu")
-        setup = [runtime.THREADS_NOTE, runtime.MALLOC_NOTE]
+        setup = [cpu_setup.NOTE, cpu_setup.MALLOC_NOTE]
     from plsc.models import build_model
     import paddle
     from plsc import runtime
@@ -211,13 +223,7 @@ def plsc_worker(kind, name, batch, warmup, steps, profile):
               "plsc_kernel_threads": runtime.kernel_threads(),
               "cpu": runtime.cpu_description(), "setup": setup,
               "MKL_DEBUG_CPU_TYPE": os.environ.get("MKL_DEBUG_CPU_TYPE")}
-    result.update(_process_notes())
-    if profile:
-        _time_steps(step, warmup, 0)
-        result["profile"] = _paddle_profile(step)
-    else:
-        result["times_s"] = [round(t, 5) for t in _time_steps(step, warmup, steps)]
-    return result
+    return _measure(result, step, warmup, steps, _paddle_profile if profile else None)
 
 
 # --------------------------------------------------------------------------- torch worker
@@ -304,13 +310,7 @@ def torch_worker(name, batch, warmup, steps, profile, arcface_dir):
               "parameters": int(sum(p.numel() for p in model.parameters())),
               "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
               "timm": timm_used, "arcface_torch": os.path.abspath(arcface_dir)}
-    result.update(_process_notes())
-    if profile:
-        _time_steps(step, warmup, 0)
-        result["profile"] = _torch_profile(step)
-    else:
-        result["times_s"] = [round(t, 5) for t in _time_steps(step, warmup, steps)]
-    return result
+    return _measure(result, step, warmup, steps, _torch_profile if profile else None)
 
 
 # --------------------------------------------------------------------------- main
