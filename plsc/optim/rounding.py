@@ -182,9 +182,10 @@ def _float16_ulp(x):
 
 
 def round_stacked(values, dtype, bits):
-    """float32 `values` (`[K, r, m]`: K arrays' rows) rounded stochastically to the 16-bit
-    `dtype` in one pass, with `bits` (`BitsBatch.stacked` of their streams; consumed): the
-    device set's rounding of several arrays at once, each the bits `round_to` gives it."""
+    """float32 `values` (`[K, r, m]`: K arrays' rows, or one array's `[r, m]`) rounded
+    stochastically to the 16-bit `dtype` in one pass, with `bits` of the same shape
+    (`BitsBatch`'s; consumed): the device set's rounding, each array with the bits
+    `round_to` gives it."""
     if dtype_name(dtype) == "bfloat16":
         return _bfloat16_stochastic_device(values, bits)
     return _float16_stochastic(values, bits)
@@ -263,9 +264,7 @@ class StochasticBits:
         if bits is None or values.ndim != 2:
             return round_to(values, dtype, "stochastic", seed=self.seed, step=self.step,
                             rank=self.rank, rows=rows, stream=self.stream)
-        if dtype_name(dtype) == "bfloat16":
-            return _bfloat16_stochastic_device(values, bits)
-        return _float16_stochastic(values, bits)
+        return round_stacked(values, dtype, bits)  # one array: the same pass
 
     def noise(self, rows, m):
         bits = self._batched(rows, m)
@@ -291,7 +290,7 @@ class BitsBatch:
         """`[r, m]` int32: the bits of one stream."""
         for streams, bits in self._computed():
             if stream in streams:
-                return bits[streams.index(stream)] if len(streams) > 1 else bits[0]
+                return bits[streams.index(stream)]
         raise KeyError(stream)
 
     def stacked(self, streams):
