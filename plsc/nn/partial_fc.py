@@ -156,8 +156,7 @@ class PartialFC(nn.Layer):
             self._check_across_ranks(labels)
         global_labels = gather_concat(labels, self.group)
         # Labels outside [0, C) (possible with check_inputs "labels" or False) belong to no rank.
-        safe = global_labels.clip(0, self.num_classes - 1)  # bad ones: -1 below anyway
-        self._bad_labels = safe != global_labels
+        safe, self._bad_labels = self._clipped(global_labels)  # bad ones: -1 below anyway
         self._global_labels = global_labels
         local_target = paddle.where(self._bad_labels, paddle.full_like(global_labels, -1),
                                     self.partition.shard_labels(safe, self.rank))
@@ -338,9 +337,15 @@ class PartialFC(nn.Layer):
             return losses
         return losses, bool(packed[-1]) and all(math.isfinite(v) for v in losses)
 
+    def _clipped(self, labels):
+        """(labels clipped into [0, C), where they were outside it): one op for each, no
+        data-dependent shape."""
+        safe = labels.clip(0, self.num_classes - 1)
+        return safe, safe != labels
+
     def _check_across_ranks(self, labels):
         """Every rank learns every rank's batch size and first bad label, then all raise alike."""
-        bad = (labels.clip(0, self.num_classes - 1) != labels).astype("int64")
+        bad = self._clipped(labels)[1].astype("int64")
         info = paddle.stack([paddle.full([], labels.shape[0], "int64"), bad.sum(),
                              labels[paddle.argmax(bad)]])
         table = gather_concat(info, self.group).reshape([-1, 3]).numpy()  # the one read
