@@ -2,6 +2,7 @@
 import paddle
 from paddle import nn
 
+from .conv import Conv2D
 from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
                      normal_attr)
 from .prelu import PReLU
@@ -23,8 +24,8 @@ CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
 
 
 def _conv(in_channels, out_channels, kernel_size, stride=1):
-    return nn.Conv2D(in_channels, out_channels, kernel_size, stride=stride,
-                     padding=kernel_size // 2, weight_attr=normal_attr(CONV_STD), bias_attr=False)
+    return Conv2D(in_channels, out_channels, kernel_size, stride=stride,
+                  padding=kernel_size // 2, weight_attr=normal_attr(CONV_STD), bias_attr=False)
 
 
 def _bn(channels):

@@ -4,6 +4,7 @@ import math
 import paddle
 from paddle import nn
 
+from .conv import Conv2D
 from .prelu import PReLU
 
 
@@ -70,9 +71,8 @@ class ConvBNPReLU(nn.Sequential):
 
     def __init__(self, in_channels, out_channels, kernel_size=1, stride=1, padding=0,
                  groups=1, activation=True, weight_attr=None):
-        conv = nn.Conv2D(in_channels, out_channels, kernel_size, stride=stride,
-                         padding=padding, groups=groups, weight_attr=weight_attr,
-                         bias_attr=False)
+        conv = Conv2D(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+                      groups=groups, weight_attr=weight_attr, bias_attr=False)
         layers = [conv, nn.BatchNorm2D(out_channels, epsilon=1e-5)]
         if activation:
             layers.append(PReLU(out_channels))

@@ -2,6 +2,7 @@
 import paddle
 from paddle import nn
 
+from .conv import Conv2D
 from .layers import ConvBNPReLU, as_hw, count_parameters, halve, kaiming_fan_out_attr
 from .. import cpu_setup
 
@@ -46,9 +47,9 @@ class GDC(nn.Layer):
     def __init__(self, channels, feature_map_size, embedding_size):
         super().__init__()
         height, width = feature_map_size
-        self.dw = nn.Conv2D(channels, channels, (height, width), groups=channels,
-                            weight_attr=kaiming_fan_out_attr(channels * height * width),
-                            bias_attr=False)
+        self.dw = Conv2D(channels, channels, (height, width), groups=channels,
+                         weight_attr=kaiming_fan_out_attr(channels * height * width),
+                         bias_attr=False)
         self.bn = nn.BatchNorm2D(channels, epsilon=1e-5)
         self.linear = nn.Linear(channels, embedding_size,
                                 weight_attr=kaiming_fan_out_attr(embedding_size), bias_attr=False)

@@ -29,6 +29,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from .conv import Conv2D
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .recompute import run_blocks
 from .. import cpu_setup
@@ -168,8 +169,8 @@ class PatchEmbed(nn.Layer):
         self.grid = tuple(n // self.patch_size for n in self.input_size)
         self.num_patches = self.grid[0] * self.grid[1]
         weight_attr, bias_attr = linear_default_attrs(in_channels * self.patch_size ** 2)
-        self.proj = nn.Conv2D(in_channels, embed_dim, self.patch_size, stride=self.patch_size,
-                              weight_attr=weight_attr, bias_attr=bias_attr)
+        self.proj = Conv2D(in_channels, embed_dim, self.patch_size, stride=self.patch_size,
+                           weight_attr=weight_attr, bias_attr=bias_attr)
 
     def forward(self, x):
         height, width = x.shape[2], x.shape[3]

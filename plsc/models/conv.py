@@ -1,0 +1,87 @@
+"""The backbones' 2-D convolution: oneDNN's on the CPU kernel set, Paddle's `conv2d` otherwise.
+
+`Conv2D` is `paddle.nn.Conv2D` (same parameters, names and initialisation, so weights load and
+save as before) whose forward runs through `plsc.onednn` when the input and the parameters are
+float32 CPU tensors under the CPU kernel set (`plsc.cpu_kernels.cpu_set`) and the bundled
+oneDNN loaded; any other tensor (another device or dtype, ``PLSC_KERNELS=device``) takes
+Paddle's own `conv2d`, as on a GPU. Both compute the same convolution; the CPU one is about
+twice as fast as Paddle's on this project's machine (docs/performance.md).
+"""
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from .. import cpu_kernels, onednn
+
+__all__ = ["Conv2D", "takes_onednn"]
+
+
+def _pair(v):
+    return (int(v), int(v)) if isinstance(v, int) else tuple(int(i) for i in v)
+
+
+def takes_onednn(x, weight):
+    """True when this convolution runs through oneDNN (see the module docstring)."""
+    return (cpu_kernels.cpu_set(x, weight) and x.dtype == paddle.float32
+            and weight.dtype == paddle.float32 and x.ndim == 4 and onednn.available())
+
+
+def _dense(t):
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _OneDNNConv(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias, geometry):
+        x, weight = _dense(x), _dense(weight)
+        plan = onednn.plan(x.shape, weight.shape, *geometry, bias is not None)
+        y = paddle.empty(plan.out_shape, dtype=paddle.float32)
+        onednn.conv_forward(plan, x.data_ptr(), weight.data_ptr(),
+                            None if bias is None else bias.data_ptr(), y.data_ptr())
+        ctx.plan = plan
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
+                     bias is not None and not bias.stop_gradient)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensor()
+        dy = _dense(dy)
+        need_x, need_w, need_b = ctx.needs
+        dx = paddle.empty(x.shape, dtype=paddle.float32) if need_x else None
+        dw = paddle.empty(weight.shape, dtype=paddle.float32) if (need_w or need_b) else None
+        db = (paddle.empty([weight.shape[0]], dtype=paddle.float32)
+              if ctx.has_bias and (need_w or need_b) else None)
+        onednn.conv_backward(ctx.plan, x.data_ptr(), weight.data_ptr(), dy.data_ptr(),
+                             None if dx is None else dx.data_ptr(),
+                             None if dw is None else dw.data_ptr(),
+                             None if db is None else db.data_ptr())
+        grads = (dx, dw if need_w else None)
+        return grads + ((db if need_b else None),) if ctx.has_bias else grads
+
+
+class Conv2D(nn.Conv2D):
+    """`paddle.nn.Conv2D` (NCHW) whose CPU float32 forward and backward run through oneDNN."""
+
+    def forward(self, x):
+        padding = _explicit_padding(self)
+        if padding is None or not takes_onednn(x, self.weight):
+            return super().forward(x)
+        geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
+        return _OneDNNConv.apply(x, self.weight, self.bias, geometry)
+
+
+def _explicit_padding(layer):
+    """((top, left), (bottom, right)) of an NCHW zero-padded layer with explicit padding, else
+    None (a "SAME"/"VALID" string or another layout goes to Paddle's conv2d)."""
+    if (layer._data_format != "NCHW" or layer._padding_mode != "zeros"
+            or layer._padding_algorithm != "EXPLICIT"):
+        return None
+    pad = [int(p) for p in layer._updated_padding]
+    if len(pad) == 2:
+        return (pad[0], pad[1]), (pad[0], pad[1])
+    if len(pad) == 4:
+        return (pad[0], pad[2]), (pad[1], pad[3])
+    return None

@@ -1,0 +1,125 @@
+"""plsc.models.conv.Conv2D (oneDNN on the CPU kernel set) against Paddle's own conv2d.
+
+The oracle is `paddle.nn.functional.conv2d` and its autograd gradients (Paddle's im2col + GEMM
+kernels, an implementation independent of oneDNN's). Each case also checks which path ran, so
+a silent fall-back cannot pass for the oneDNN path."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from plsc import onednn
+from plsc.models.conv import Conv2D, takes_onednn
+from kernel_sets import kernels  # noqa: F401  (the fixture)
+
+CASES = [
+    # in, out, kernel, stride, padding, groups, dilation, bias, height, width
+    (3, 8, 3, 1, 1, 1, 1, False, 9, 9),
+    (8, 16, 3, 2, 1, 1, 1, True, 10, 11),
+    (16, 16, 3, 2, 1, 16, 1, False, 12, 12),     # depthwise, as MobileFaceNet's
+    (16, 16, 7, 1, 0, 16, 1, False, 7, 7),       # the global depthwise conv (GDC)
+    (8, 8, 1, 1, 0, 1, 1, True, 5, 5),
+    (4, 6, (2, 3), (1, 2), [1, 0], 2, 1, True, 8, 9),
+    (16, 32, 3, 1, [0, 1, 2, 1], 1, 1, False, 9, 9),   # asymmetric: top, bottom, left, right
+    (4, 4, 3, 1, 2, 1, 2, True, 9, 9),           # dilated
+    (3, 12, 9, 9, 0, 1, 1, True, 22, 22),        # ViT's patch embedding (rows left unseen)
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_paddle_conv2d(case, kernels):
+    cin, cout, k, stride, padding, groups, dilation, bias, h, w = case
+    paddle.seed(7)
+    conv = Conv2D(cin, cout, k, stride=stride, padding=padding, groups=groups,
+                  dilation=dilation, bias_attr=None if bias else False)
+    x = paddle.randn([3, cin, h, w])
+    x.stop_gradient = False
+    assert takes_onednn(x, conv.weight) == (kernels == "cpu")
+    planned = onednn.plan_count()
+    y = conv(x)
+    if kernels == "cpu":  # a new geometry was planned, so oneDNN ran
+        assert onednn.plan_count() == planned + 1
+    upstream = paddle.randn(y.shape)
+    (y * upstream).sum().backward()
+    got = [y.numpy(), x.grad.numpy(), conv.weight.grad.numpy()]
+    got += [conv.bias.grad.numpy()] if bias else []
+
+    x2 = x.detach()
+    x2.stop_gradient = False
+    w2 = conv.weight.detach()
+    w2.stop_gradient = False
+    b2 = None
+    if bias:
+        b2 = conv.bias.detach()
+        b2.stop_gradient = False
+    y2 = F.conv2d(x2, w2, b2, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    (y2 * upstream).sum().backward()
+    want = [y2.numpy(), x2.grad.numpy(), w2.grad.numpy()] + ([b2.grad.numpy()] if bias else [])
+    for name, g, r in zip(["y", "dx", "dw", "db"], got, want):
+        assert g.shape == r.shape, name
+        scale = max(1.0, float(np.abs(r).max()))
+        np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * scale, err_msg=name)
+
+
+def test_gradients_only_where_asked():
+    """A frozen input (the first layer's images) gets no gradient; a frozen weight neither."""
+    paddle.seed(3)
+    conv = Conv2D(4, 8, 3, padding=1)
+    x = paddle.randn([2, 4, 6, 6])
+    y = conv(x)
+    y.sum().backward()
+    assert x.grad is None and conv.weight.grad is not None and conv.bias.grad is not None
+    dw = conv.weight.grad.numpy().copy()
+    conv.clear_gradients(set_to_zero=False)
+    conv.weight.stop_gradient = True
+    x.stop_gradient = False
+    conv(x).sum().backward()
+    assert conv.weight.grad is None and x.grad is not None and conv.bias.grad is not None
+    w = conv.weight.detach()
+    xr = x.detach()
+    xr.stop_gradient = False
+    F.conv2d(xr, w, conv.bias.detach(), padding=1).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), atol=2e-5)
+    wr = conv.weight.detach()
+    wr.stop_gradient = False
+    F.conv2d(x.detach(), wr, padding=1).sum().backward()
+    np.testing.assert_allclose(dw, wr.grad.numpy(), atol=2e-5)
+
+
+def test_strided_input_and_repeated_geometry():
+    """A transposed (non-contiguous) input is read right; two layers of one geometry share a
+    plan and still compute with their own weights; the gradient accumulates over two calls."""
+    paddle.seed(5)
+    a, b = Conv2D(6, 6, 3, padding=1), Conv2D(6, 6, 3, padding=1)
+    x = paddle.randn([2, 6, 7, 7]).transpose([0, 1, 3, 2])
+    assert not x.is_contiguous()
+    planned = onednn.plan_count()
+    ya, yb = a(x), b(x)
+    assert onednn.plan_count() <= planned + 1
+    xc = x.contiguous()
+    np.testing.assert_allclose(ya.numpy(), F.conv2d(xc, a.weight, a.bias, padding=1).numpy(),
+                               atol=2e-5)
+    np.testing.assert_allclose(yb.numpy(), F.conv2d(xc, b.weight, b.bias, padding=1).numpy(),
+                               atol=2e-5)
+    (a(x).sum() + a(x).sum()).backward()
+    wr = a.weight.detach()
+    wr.stop_gradient = False
+    (2 * F.conv2d(xc, wr, padding=1).sum()).backward()
+    np.testing.assert_allclose(a.weight.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_other_dtypes_and_layouts_take_paddle():
+    conv = Conv2D(4, 4, 3, padding=1)
+    assert takes_onednn(paddle.randn([1, 4, 5, 5]), conv.weight)
+    assert not takes_onednn(paddle.randn([1, 4, 5, 5]).astype("float64"), conv.weight)
+    same = Conv2D(4, 4, 3, padding="SAME")
+    x = paddle.randn([1, 4, 5, 5])
+    planned = onednn.plan_count()
+    np.testing.assert_allclose(same(x).numpy(), F.conv2d(x, same.weight, same.bias,
+                                                         padding="SAME").numpy())
+    assert onednn.plan_count() == planned
+
+
+def test_library_is_paddles_onednn_3():
+    assert onednn.available(), "Paddle's CPU wheel bundles libdnnl.so.3"
+    assert onednn.version().split(".")[0] == "3"
