@@ -21,8 +21,9 @@ def _pair(v):
 
 
 def takes_onednn(x, weight):
-    """True when this convolution runs through oneDNN (see the module docstring)."""
-    return (cpu_kernels.cpu_set(x, weight) and x.dtype == paddle.float32
+    """True when this convolution runs through oneDNN (see the module docstring); never while
+    a program is traced (`paddle.jit.to_static`): an exported model holds Paddle's conv2d."""
+    return (paddle.in_dynamic_mode() and cpu_kernels.cpu_set(x, weight) and x.dtype == paddle.float32
             and weight.dtype == paddle.float32 and x.ndim == 4 and onednn.available())
 
 
