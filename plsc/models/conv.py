@@ -31,7 +31,7 @@ def _dense(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
-class _OneDNNConv(PyLayer):
+class _OneDNNConv2D(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, geometry):
         x, weight = _dense(x), _dense(weight)
@@ -71,7 +71,7 @@ class Conv2D(nn.Conv2D):
         if padding is None or not takes_onednn(x, self.weight):
             return super().forward(x)
         geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
-        return _OneDNNConv.apply(x, self.weight, self.bias, geometry)
+        return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry)
 
 
 def _explicit_padding(layer):

@@ -31,6 +31,8 @@ from paddle import nn
 
 from .conv import Conv2D
 from .layers import as_hw, count_parameters, linear_default_attrs
+from .linear import Linear
+from .permute import permute
 from .recompute import run_blocks
 from .. import cpu_setup
 
@@ -55,7 +57,7 @@ def _trunc_normal():
 def _linear(in_features, out_features, bias=True):
     """arcface_torch's `_init_weights`: weight trunc-normal(0.02), bias 0."""
     bias_attr = paddle.ParamAttr(initializer=nn.initializer.Constant(0.0)) if bias else False
-    return nn.Linear(in_features, out_features, weight_attr=_trunc_normal(), bias_attr=bias_attr)
+    return Linear(in_features, out_features, weight_attr=_trunc_normal(), bias_attr=bias_attr)
 
 
 def _layer_norm(dim):
@@ -111,13 +113,14 @@ class Attention(nn.Layer):
         dim = self.num_heads * self.head_dim
         # [B, L, 3D] -> [3, B, heads, L, D/heads]; 0 keeps B and L as they are
         qkv = self.qkv(x).reshape([0, 0, 3, self.num_heads, self.head_dim])
-        qkv = qkv.transpose([2, 0, 3, 1, 4])
+        qkv = permute(qkv, [2, 0, 3, 1, 4])
         with paddle.amp.auto_cast(enable=False):  # arcface_torch: autocast(False) and .float()
-            q, k, v = (qkv[i].astype("float32") for i in range(3))
+            q, k, v = (t if t.dtype == paddle.float32 else t.astype("float32")
+                       for t in paddle.unbind(qkv, axis=0))  # one stack in the backward
             attn = paddle.matmul(q, k, transpose_y=True) * self.scale
             attn = F.softmax(attn, axis=-1)
             attn = self.attn_drop(attn)
-            out = paddle.matmul(attn, v).transpose([0, 2, 1, 3]).reshape([0, 0, dim])
+            out = permute(paddle.matmul(attn, v), [0, 2, 1, 3]).reshape([0, 0, dim])
         return self.proj_drop(self.proj(out.astype(x.dtype)))
 
 
@@ -177,7 +180,7 @@ class PatchEmbed(nn.Layer):
         if (height, width) != self.input_size and min(height, width) > 0:
             raise ValueError(f"input images are {height}x{width}, the model was built for "
                              f"{self.input_size[0]}x{self.input_size[1]} (input_size)")
-        return self.proj(x).flatten(2).transpose([0, 2, 1])
+        return permute(self.proj(x).flatten(2), [0, 2, 1])
 
 
 class VisionTransformer(nn.Layer):

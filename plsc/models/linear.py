@@ -1,0 +1,67 @@
+"""The backbones' fully connected layer: Paddle's `nn.Linear`, with a cheaper bias gradient on the
+CPU kernel set.
+
+Paddle 3.3 computes a linear layer as a matmul and a broadcast add; the add's gradient sums the
+output gradient over its rows with a reduction that takes ~40x a GEMV of the same data on this
+project's CPU (docs/performance.md: ViT-T). `Linear` keeps `nn.Linear`'s parameters, names and
+initialisation; on float32 CPU tensors under the CPU kernel set
+(`plsc.cpu_kernels.applies`), while not traced by `to_static`, its forward and backward are
+one PyLayer of GEMMs: y = x·W + b, dx = g·Wᵀ, dW = xᵀ·g, db = 1ᵀ·g. Every other tensor takes
+`nn.Linear`'s own forward.
+"""
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from ..cpu_kernels import applies
+
+__all__ = ["Linear", "takes_gemm_path"]
+
+
+def takes_gemm_path(x, weight):
+    """True when `Linear` runs as the PyLayer of GEMMs (see the module docstring)."""
+    return paddle.in_dynamic_mode() and applies(x, weight) and x.ndim >= 2
+
+
+def _rows(t, width):
+    t = t if t.is_contiguous() else t.contiguous()
+    return t.reshape([-1, width])
+
+
+class _GemmLinear(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        rows = _rows(x, weight.shape[0])
+        y = paddle.matmul(rows, weight)
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(rows, weight)
+        ctx.x_shape = x.shape
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
+                     bias is not None and not bias.stop_gradient)
+        ctx.has_bias = bias is not None
+        return y.reshape(list(x.shape[:-1]) + [weight.shape[1]])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight = ctx.saved_tensor()
+        g = _rows(grad, weight.shape[1])
+        need_x, need_w, need_b = ctx.needs
+        dx = paddle.matmul(g, weight, transpose_y=True).reshape(ctx.x_shape) if need_x else None
+        dw = paddle.matmul(rows, g, transpose_x=True) if need_w else None
+        if not ctx.has_bias:
+            return dx, dw
+        db = None
+        if need_b:
+            ones = paddle.ones([1, g.shape[0]], dtype=g.dtype)
+            db = paddle.matmul(ones, g).reshape([weight.shape[1]])
+        return dx, dw, db
+
+
+class Linear(nn.Linear):
+    """`paddle.nn.Linear` whose CPU float32 forward and backward are GEMMs only."""
+
+    def forward(self, x):
+        if not takes_gemm_path(x, self.weight):
+            return super().forward(x)
+        return _GemmLinear.apply(x, self.weight, self.bias)
