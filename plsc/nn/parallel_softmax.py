@@ -45,8 +45,8 @@ from ..cpu_kernels import DEVICE_SLAB_BYTES, as_numpy
 from ..loss.table import check_normalised
 from .. import storage
 from .conflict_filter import filter_bound
-from .softmax_blocks import _BlockRows, _SlabBudget, _Step, _give_back, put_along_
 from .grad_sinks import _close_grads, _open_grads
+from .softmax_blocks import _BlockRows, _SlabBudget, _Step, _give_back, put_along_
 from .softmax_stages import (_gather, _gather_grad, _logits, _logits_grad, _loss, _loss_grad,
                              _max, _sum, _sum_grad, _target, _target_grad)
 
@@ -93,7 +93,6 @@ class _ParallelSoftmaxCE(PyLayer):
         # 8-bit weight is no tensor).
         grads = (d_x,) + ((d_w,) if storage.has_autograd(step.weight) else ())
         return grads + ((d_b,) if step.bias is not None else ()) + (None,)
-
 
 
 def _new_step(weight, margin, group, chunk_size, workspace, grad_into_weight, row_update,

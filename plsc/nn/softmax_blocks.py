@@ -32,7 +32,7 @@ class _SlabBudget(NamedTuple):
 
 
 def _wgrad_plan(step, d):
-    """(bytes a block's float32 weight gradient or rows may take at once, rows a slab beyond
+    """(bytes a block's float32 weight gradient or rows may take at once, rows per slab beyond
     that) on the call's kernel set (`step.cpu`: the CPU set, else the device set), for rows
     of width `d`."""
     budget = step.budget
