@@ -15,6 +15,8 @@ import re
 import yaml
 
 from .dtypes import HEAD_DTYPES
+from .loss.table import (DEFAULT_MARGIN, MARGIN_KEYS, cosine_options, either, margin_names,
+                         margin_row)
 
 __all__ = ["ConfigError", "SCHEMA", "load_config", "parse_override", "apply_overrides",
            "validate", "check_key", "default_config", "dump_config"]
@@ -178,17 +180,10 @@ SCHEMA = {
                         "true)", nullable=True),
     },
     "Loss": {
-        "margin": _k(str, "arcface", "arcface, cosface, sphereface, combined, adaface or softmax",
-                     choices=("arcface", "cosface", "sphereface", "combined", "adaface", "softmax")),
-        "scale": _k(NUM, 64.0, "logit scale s", above=0),
-        "m1": _k(NUM, 1.0, "multiplicative angular margin (combined, sphereface)"),
-        "m2": _k(NUM, 0.5, "additive angular margin (combined, arcface)"),
-        "m3": _k(NUM, 0.0, "additive cosine margin (combined, cosface)"),
-        "straight_through": _k(bool, False, "insightface's margin gradient instead of the exact one"),
-        "adaface_m": _k(NUM, 0.4, "AdaFace margin m"),
-        "adaface_h": _k(NUM, 0.333, "AdaFace h: how far the feature norm moves the margin"),
-        "adaface_t_alpha": _k(NUM, 0.01, "AdaFace momentum of the running norm statistics",
-                              low=0, high=1),
+        # the margin and the keys margins read: the margins' table
+        "margin": _k(str, DEFAULT_MARGIN, either(margin_names()), choices=margin_names()),
+        **{key: _k(spec.types, spec.default, spec.help, **spec.rule)
+           for key, spec in MARGIN_KEYS.items()},
         "sub_centers": _k(int, 1, "centres per class (sub-center ArcFace; normalised margins); "
                           "a class's cosine is the largest of its centres'", low=1),
         "interclass_filtering_threshold": _k(
@@ -204,7 +199,7 @@ SCHEMA = {
         "logits_budget_mb": _k(NUM, 2048, "memory the head's logits may take per rank when "
                                "chunk_size is automatic", above=0),
         "param_dtype": _k(str, "float32", "storage of the class centres: float32, bfloat16, "
-                          "float16 or int8 (a byte a value, a scale a row); GEMMs and softmax "
+                          "float16 or int8 (a byte per value, a scale per row); GEMMs and softmax "
                           "statistics stay float32",
                           choices=HEAD_DTYPES),
     },
@@ -343,14 +338,12 @@ def validate(raw, source="config"):
 def _check_combinations(cfg, source):
     """The rules that relate keys (each key's own rule is in its `Key`)."""
     loss = cfg["Loss"]
-    if loss["sub_centers"] > 1 and loss["margin"] == "softmax":
-        raise ConfigError(f"{source}: Loss.sub_centers={loss['sub_centers']} needs a normalised "
-                          "margin (arcface, cosface, sphereface, combined or adaface), not softmax")
-    if loss["interclass_filtering_threshold"] > 0 and loss["margin"] == "softmax":
-        raise ConfigError(f"{source}: Loss.interclass_filtering_threshold="
-                          f"{loss['interclass_filtering_threshold']} filters cosines and needs a "
-                          "normalised margin (arcface, cosface, sphereface, combined or adaface), "
-                          "not softmax")
+    if not margin_row(loss["margin"]).normalized:
+        for key, value, why in cosine_options(loss["sub_centers"],
+                                              loss["interclass_filtering_threshold"]):
+            raise ConfigError(f"{source}: Loss.{key}={value} needs a normalised margin "
+                              f"({either(margin_names(normalized=True))}; {why}), "
+                              f"not {loss['margin']}")
 
 
 def parse_override(text):

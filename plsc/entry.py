@@ -19,17 +19,14 @@ import os
 import numpy as np
 
 from .config import SCHEMA, ConfigError, apply_overrides, check_key, load_config, validate
+from .loss import AdaFace
+from .loss.table import loss_types, margin_row
 from .models import MODELS, resolve_name
 
 __all__ = ["Entry", "LOSS_TYPES"]
 
-# PLSC's loss types -> (margin, scale, m1, m2, m3). The dist_ and plain variants are the same
-# here: every head is class-sharded, and one rank is simply a world of size one.
-LOSS_TYPES = {
-    "dist_arcface": ("arcface", 64.0, 1.0, 0.5, 0.0), "arcface": ("arcface", 64.0, 1.0, 0.5, 0.0),
-    "dist_cosface": ("cosface", 64.0, 1.0, 0.0, 0.4), "cosface": ("cosface", 64.0, 1.0, 0.0, 0.4),
-    "dist_softmax": ("softmax", 1.0, 1.0, 0.0, 0.0), "softmax": ("softmax", 1.0, 1.0, 0.0, 0.0),
-}
+# PLSC's loss types -> (margin, scale, m1, m2, m3), from the margins' table.
+LOSS_TYPES = loss_types()
 
 
 def _checked(section, key, value, name):
@@ -106,9 +103,14 @@ class Entry:
 
     def set_adaface(self, scale=None, m=None, h=None, t_alpha=None):
         """Train with the AdaFace margin (defaults: s=64, m=0.4, h=0.333, t_alpha=0.01)."""
-        return self._set_all(("Loss", "margin", "adaface", "margin"), *(
-            ("Loss", key, value, key) for key, value in (
-                ("scale", scale), ("adaface_m", m), ("adaface_h", h), ("adaface_t_alpha", t_alpha))
+        return self._use_margin(AdaFace, s=scale, m=m, h=h, t_alpha=t_alpha)
+
+    def _use_margin(self, cls, **args):
+        """Train with margin class `cls`; `args` (None: left as they are) by its constructor's
+        names, each written to the config key the margins' table gives it."""
+        row = margin_row(class_name=cls.__name__)
+        return self._set_all(("Loss", "margin", row.name, "margin"), *(
+            ("Loss", row.args[arg], value, row.args[arg]) for arg, value in args.items()
             if value is not None))
 
     def set_sub_centers(self, k):

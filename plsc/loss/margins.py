@@ -15,6 +15,7 @@ import paddle
 from paddle import nn
 
 from ..numerics import sqrt_exact
+from .table import MARGIN_TABLE
 
 __all__ = ["Margin", "CombinedMargin", "ArcFace", "CosFace", "SphereFace", "AdaFace", "Softmax",
            "MARGINS", "build_margin"]
@@ -209,14 +210,21 @@ class Softmax(Margin):
         return "Softmax()"
 
 
-MARGINS = {
-    "arcface": ArcFace,
-    "cosface": CosFace,
-    "sphereface": SphereFace,
-    "adaface": AdaFace,
-    "combined": CombinedMargin,
-    "softmax": Softmax,
-}
+def _registry():
+    """{name: class} of the margins' table (`table.py`: names, config keys, normalised or not),
+    each row's class found here by its name and checked to agree on `normalized`."""
+    registry = {}
+    for row in MARGIN_TABLE:
+        cls = globals().get(row.class_name)
+        if not (isinstance(cls, type) and issubclass(cls, Margin)) or \
+                cls.normalized != row.normalized:
+            raise TypeError(f"margin table row {row.name!r}: {row.class_name} must be a Margin "
+                            f"of this module with normalized={row.normalized}")
+        registry[row.name] = cls
+    return registry
+
+
+MARGINS = _registry()
 
 
 def build_margin(name, **kwargs):

@@ -11,6 +11,7 @@ from ..numerics import SLAB_BYTES
 from .. import cpu_setup, storage
 from ..storage import HEAD_DTYPES, take as take_f32
 from ..loss import ArcFace, Margin
+from ..loss.table import check_normalised
 from .parallel_softmax import parallel_softmax_cross_entropy
 from .sampling import sample_centres
 from .workspace import Workspace
@@ -51,13 +52,13 @@ class PartialFC(nn.Layer):
             They are alive at the step's peak anyway; between steps they stay
             allocated (`head.workspace.nbytes`; `head.workspace.clear()` frees them).
         param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
-            or "float16"; or "int8": `weight` is a `plsc.quantized.Int8Rows` (a byte a value
-            and a float32 scale a row, a quarter of float32's bytes; `bias` stays float32), whose
+            or "float16"; or "int8": `weight` is a `plsc.quantized.Int8Rows` (a byte per value
+            and a float32 scale per row, a quarter of float32's bytes; `bias` stays float32), whose
             gradient goes to `row_update` or, without one, to `row_gradient("weight")`; it is no
             Paddle parameter, so `state_dict()` leaves it out (plsc's checkpoints save it). Every
             GEMM reads a block of rows as float32 and every softmax statistic is float32; only
             storage is narrower.
-        sub_centers: K centres a class (sub-center ArcFace; normalised margins only):
+        sub_centers: K centres per class (sub-center ArcFace; normalised margins only):
             `weight` is `[num_local·K, d]`, local class j's centres are rows j·K … j·K + K − 1,
             and a class's cosine is the largest of its centres'. Partial FC samples classes
             (`sampled_index`), each bringing its K rows (`sampled_rows`).
@@ -89,66 +90,45 @@ class PartialFC(nn.Layer):
         super().__init__()
         cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
         margin = ArcFace() if margin is None else margin
-        if not isinstance(margin, Margin):
-            raise TypeError(f"margin must be a plsc.loss.Margin, got {type(margin).__name__}")
-        if int(embedding_size) < 1:
-            raise ValueError(f"embedding_size must be >= 1, got {embedding_size}")
-        if not 0.0 < float(sample_ratio) <= 1.0:
-            raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+        _check_arguments(margin, embedding_size, sample_ratio, chunk_size, logits_budget,
+                         check_inputs, param_dtype, sub_centers, interclass_filtering_threshold)
         self.embedding_size = int(embedding_size)
         self.num_classes = int(num_classes)
         self.margin = margin
         self.sample_ratio = float(sample_ratio)
         self.seed = int(seed)
-        if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                     or chunk_size < 0):
-            raise ValueError(f"chunk_size must be 'auto', 0 (dense) or a positive int, got {chunk_size!r}")
-        if int(logits_budget) < 1:
-            raise ValueError(f"logits_budget must be a positive number of bytes, got {logits_budget!r}")
         self.chunk_size, self.logits_budget = chunk_size, int(logits_budget)
         self.group = group
         self.workspace = Workspace(reuse_buffers)
-        if check_inputs not in (True, False, "labels"):
-            raise ValueError(f"check_inputs must be True, False or 'labels', got {check_inputs!r}")
         self.check_inputs = check_inputs
         self.rank, self.world_size = group_rank_size(group)
         self.partition = ClassPartition(self.num_classes, self.world_size)
         self.class_start = self.partition.class_start(self.rank)
         self.num_local = self.partition.num_local(self.rank)
-        if param_dtype not in HEAD_DTYPES:
-            raise ValueError(f"param_dtype must be one of float32, bfloat16, float16 or int8, "
-                             f"got {param_dtype!r}")
         self.param_dtype = param_dtype
-        if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
-            raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
-        if sub_centers > 1 and not margin.normalized:
-            raise ValueError(f"sub_centers={sub_centers} needs a normalised margin (a cosine per "
-                             f"centre), not {margin}")
         self.sub_centers = sub_centers
-        t = interclass_filtering_threshold
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0.0 <= t <= 1.0:
-            raise ValueError(f"interclass_filtering_threshold must be a number in [0, 1] (0: off), "
-                             f"got {t!r}")
-        if t > 0 and not margin.normalized:
-            raise ValueError(f"interclass_filtering_threshold={t} needs a normalised margin (it "
-                             f"filters cosines), not {margin}")
-        self.interclass_filtering_threshold = float(t)
-        self.weight = _normal_parameter(self, [self.num_local * sub_centers, self.embedding_size],
-                                        init_std, param_dtype)
-        self.bias = None
-        if not margin.normalized:
-            bias_dtype = "float32" if param_dtype == "int8" else param_dtype  # a value a row
-            self.bias = self.create_parameter([self.num_local], dtype=bias_dtype, is_bias=True,
-                                              default_initializer=nn.initializer.Constant(0.0))
+        self.interclass_filtering_threshold = float(interclass_filtering_threshold)
+        self._create_parameters(init_std)
         # The sampling step counter lives on the host, so reading it never waits for a device.
         self.register_buffer("sample_step", paddle.zeros([], dtype="int64").cpu())
         self.sample_loss = None
         # The centres of the last step: indices into this rank's classes (None: all), the
-        # weight rows they own (`sub_centers` a class), and those rows gathered.
+        # weight rows they own (`sub_centers` per class), and those rows gathered.
         self.sampled_index = self.sampled_rows = self.sampled_weight = self.sampled_bias = None
         self._last_target = self._bad_labels = self._global_labels = None
         self.row_update = None
         self._dense_grads = {}  # an 8-bit weight's gradient (and the bias's) without row_update
+
+    def _create_parameters(self, init_std):
+        """`weight`, K rows per local class drawn from N(0, init_std²), and for a margin that
+        is not normalised `bias`, zeros (float32 for an 8-bit weight: one value per row)."""
+        self.weight = _normal_parameter(self, [self.num_local * self.sub_centers,
+                                               self.embedding_size], init_std, self.param_dtype)
+        self.bias = None
+        if not self.margin.normalized:
+            bias_dtype = "float32" if self.param_dtype == "int8" else self.param_dtype
+            self.bias = self.create_parameter([self.num_local], dtype=bias_dtype, is_bias=True,
+                                              default_initializer=nn.initializer.Constant(0.0))
 
     def forward(self, embeddings, labels):
         labels = self._check_local(embeddings, labels)
@@ -366,6 +346,36 @@ class PartialFC(nn.Layer):
                    if self.interclass_filtering_threshold else ""))
 
 
+def _check_arguments(margin, embedding_size, sample_ratio, chunk_size, logits_budget,
+                     check_inputs, param_dtype, sub_centers, threshold):
+    """ValueError (TypeError for a margin that is none) naming the first bad argument of
+    `PartialFC`; the options that need a normalised margin are refused by the margins' one
+    rule (`plsc.loss.table.check_normalised`)."""
+    if not isinstance(margin, Margin):
+        raise TypeError(f"margin must be a plsc.loss.Margin, got {type(margin).__name__}")
+    if int(embedding_size) < 1:
+        raise ValueError(f"embedding_size must be >= 1, got {embedding_size}")
+    if not 0.0 < float(sample_ratio) <= 1.0:
+        raise ValueError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
+    if chunk_size != "auto" and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                 or chunk_size < 0):
+        raise ValueError(f"chunk_size must be 'auto', 0 (dense) or a positive int, got {chunk_size!r}")
+    if int(logits_budget) < 1:
+        raise ValueError(f"logits_budget must be a positive number of bytes, got {logits_budget!r}")
+    if check_inputs not in (True, False, "labels"):
+        raise ValueError(f"check_inputs must be True, False or 'labels', got {check_inputs!r}")
+    if param_dtype not in HEAD_DTYPES:
+        raise ValueError(f"param_dtype must be one of float32, bfloat16, float16 or int8, "
+                         f"got {param_dtype!r}")
+    if isinstance(sub_centers, bool) or not isinstance(sub_centers, int) or sub_centers < 1:
+        raise ValueError(f"sub_centers must be a positive int, got {sub_centers!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
+            or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"interclass_filtering_threshold must be a number in [0, 1] (0: off), "
+                         f"got {threshold!r}")
+    check_normalised(margin, sub_centers, threshold)
+
+
 def _normal_parameter(layer, shape, std, dtype):
     """A parameter of `dtype` drawn from N(0, std²): float32 draws made a slab of rows at a
     time (the same numbers as one draw of the whole shape) and, for 16- and 8-bit storage,
@@ -388,7 +398,7 @@ def _normal_parameter(layer, shape, std, dtype):
 
 
 def _rows_of(classes, k):
-    """The weight rows of `classes` with K centres a class (class-major)."""
+    """The weight rows of `classes` with K centres per class (class-major)."""
     if k == 1:
         return classes
     return (classes.unsqueeze(1) * k + paddle.arange(k, dtype="int64")).reshape([-1])

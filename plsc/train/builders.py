@@ -6,6 +6,7 @@ import paddle
 
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
+from ..loss.table import margin_kwargs
 from ..optim import SparseAdamW, SparseMomentum
 from ..runtime import open_dataset
 
@@ -14,22 +15,10 @@ __all__ = ["build_margin_from_config", "build_train_dataset", "build_backbone_op
 
 
 def build_margin_from_config(loss):
-    name = loss["margin"]
-    s = float(loss["scale"])
-    if name == "softmax":
-        return build_margin("softmax")
-    if name == "arcface":
-        return build_margin("arcface", s=s, m=float(loss["m2"]), straight_through=loss["straight_through"])
-    if name == "adaface":
-        return build_margin("adaface", s=s, m=float(loss["adaface_m"]), h=float(loss["adaface_h"]),
-                            t_alpha=float(loss["adaface_t_alpha"]))
-    if name == "cosface":
-        return build_margin("cosface", s=s, m=float(loss["m3"]))
-    if name == "sphereface":
-        return build_margin("sphereface", s=s, m=float(loss["m1"]),
-                            straight_through=loss["straight_through"])
-    return build_margin("combined", s=s, m1=float(loss["m1"]), m2=float(loss["m2"]),
-                        m3=float(loss["m3"]), straight_through=loss["straight_through"])
+    """The margin a validated `Loss` section asks for: its class and which key feeds which
+    argument are the margins' table's (`plsc.loss.table`)."""
+    name, kwargs = margin_kwargs(loss)
+    return build_margin(name, **kwargs)
 
 
 def build_train_dataset(cfg):
