@@ -179,6 +179,7 @@ class _Arg:
         self.buffer = None
         self.reorder = None
         self.plain_memory = None
+        self.staged = None  # the address the primitive reads, after `stage_in`
         if not self.same:
             self.buffer = np.empty(_lib.dnnl_memory_desc_get_size(wanted) // 4 + 16, np.float32)
             self.plain_memory = _memory(plain)
@@ -186,13 +187,20 @@ class _Arg:
             self.reorder = _reorder(src, dst)
             _set(self.memory, self.buffer.ctypes.data)
 
-    def stage_in(self, ptr):
-        """Point the primitive's memory at the plain data `ptr`, reordering it if needed."""
+    def stage_in(self, ptr, staged_by=None):
+        """Point the primitive's memory at the plain data `ptr`, reordering it if needed; when
+        `staged_by` (another primitive's `_Arg` of the same data) already holds it in the
+        layout this one wants, read that instead of reordering again."""
         if self.same:
-            _set(self.memory, ptr)
+            self.staged = ptr
+        elif staged_by is not None and _lib.dnnl_memory_desc_equal(self.wanted, staged_by.wanted):
+            self.staged = staged_by.staged
         else:
             _set(self.plain_memory, ptr)
+            _set(self.memory, self.buffer.ctypes.data)
             _execute(self.reorder, ((_ARG_FROM, self.plain_memory), (_ARG_TO, self.memory)))
+            self.staged = self.buffer.ctypes.data
+        _set(self.memory, self.staged)
 
     def bind_out(self, ptr):
         """Point the primitive's output memory at `ptr` when no reorder is needed."""
@@ -317,6 +325,7 @@ class _Plan:
 
     def backward(self, x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr):
         """The gradients asked for (a None pointer skips that one)."""
+        dy_staged = None
         if dx_ptr is not None:
             prim, args = self._backward_data()
             args["weights"].stage_in(w_ptr)
@@ -326,10 +335,11 @@ class _Plan:
                             (_ARG_DIFF_DST, args["diff_dst"].memory),
                             (_ARG_DIFF_SRC, args["diff_src"].memory)])
             args["diff_src"].stage_out(dx_ptr)
+            dy_staged = args["diff_dst"]
         if dw_ptr is not None:
             prim, args = self._backward_weights()
             args["src"].stage_in(x_ptr)
-            args["diff_dst"].stage_in(dy_ptr)
+            args["diff_dst"].stage_in(dy_ptr, staged_by=dy_staged)
             args["diff_weights"].bind_out(dw_ptr)
             run = [(_ARG_SRC, args["src"].memory), (_ARG_DIFF_DST, args["diff_dst"].memory),
                    (_ARG_DIFF_WEIGHTS, args["diff_weights"].memory)]
