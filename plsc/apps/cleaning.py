@@ -47,7 +47,6 @@ status 73) while a training job or another cleaning uses the folder.
 """
 import contextlib
 import copy
-import json
 import os
 import sys
 
@@ -63,7 +62,7 @@ from ..config import ConfigError
 from ..data import irheader
 from ..data.facerec import read_property, write_face_rec
 from ..embedding import gather_shares, rank_share, share_batches
-from ..fileio import AtomicWriter, atomic_write, commit_folder, temp_folder
+from ..fileio import AtomicWriter, commit_folder, temp_folder, write_json
 from ..metrics import angle_histogram_image, save_angle_histogram_png
 from ..numerics import SLAB_BYTES
 
@@ -315,7 +314,7 @@ def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
     outputs["checkpoint_k1"] = write_k1_checkpoint(path, os.path.join(out_dir, "checkpoint_k1"),
                                                    dominant, cfg, meta)
     summary["outputs"] = outputs
-    atomic_write(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
+    write_json(os.path.join(out_dir, "summary.json"), summary)
     summary["arrays"] = {"labels": labels, "picks": picks, "dominant": dominant, "angles": angles,
                          "kept": kept, "cosines": cos}
     return summary
