@@ -20,7 +20,8 @@ import argparse
 import sys
 
 from plsc.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
-from plsc.cli import DATA_ERROR_EXIT_CODE, run_tool
+from plsc.cli import run_tool
+from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def verify(a):
@@ -32,7 +33,7 @@ def verify(a):
         return DATA_ERROR_EXIT_CODE
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     print(f"OK {a.checkpoint}")
     return 0
 
