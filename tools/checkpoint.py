@@ -40,13 +40,14 @@ def verify(a):
 
 def import_arcface_torch(cfg, folder):
     from plsc import runtime
+    from plsc.builders import build_backbone
     from plsc.checkpoint.arcface_torch import arcface_torch_files, import_arcface_torch
     from plsc.checkpoint.lock import claim_folder
     runtime.select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     with claim_folder(cfg["Global"]["output_dir"]) as lock:  # it writes checkpoints/ and latest
         for note in lock.notes:
             print(f"plsc: {note}", file=sys.stderr)
-        path = import_arcface_torch(arcface_torch_files(folder), cfg, runtime.build_backbone(cfg),
+        path = import_arcface_torch(arcface_torch_files(folder), cfg, build_backbone(cfg),
                                     log=lambda msg: print(msg, file=sys.stderr))
     print(f"wrote {path}; resume it with -o Global.checkpoint={path} (or Global.checkpoint: auto)")
 

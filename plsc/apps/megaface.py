@@ -15,6 +15,7 @@ import paddle
 
 from .. import distributed as pd
 from .. import runtime
+from ..builders import open_dataset
 from ..data import DataError, ImagePathsDataset
 from ..embedding import RankComm, gather_shares, rank_share, share_batches
 from ..fileio import atomic_write, write_image, write_json, write_npy
@@ -80,7 +81,7 @@ def load_set(cfg, source, role, model_box):
     cfg, model = model_box()
     size = tuple(cfg["Data"]["image_size"])
     if role == "probes":
-        ds, _ = runtime.open_dataset("auto", source, size, train=False, what="--probes")
+        ds, _ = open_dataset("auto", source, size, train=False, what="--probes")
     else:
         ds = ImagePathsDataset(source, image_size=size)
     if len(ds) == 0:

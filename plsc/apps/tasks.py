@@ -12,7 +12,9 @@ from ..config import ConfigError
 from ..embedding import VerificationEvaluator, embed
 from ..fileio import write_npy
 from ..metrics import save_roc_png
-from ..runtime import build_backbone, open_dataset, progress as draw_progress, select_device, show_progress, start
+from ..builders import build_backbone, open_dataset
+from ..progress import progress as draw_progress, show_progress
+from ..runtime import select_device, start
 from .export import export_backbone, load_backbone_weights
 from .onnx_backbone import onnx_backbone
 
