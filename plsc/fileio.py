@@ -232,9 +232,10 @@ def write_npz(path, arrays):
 
 
 def write_image(path, image, params=(), ext=None):
-    """`image` (HWC uint8, BGR as cv2 takes it) encoded by cv2 as `ext` (".png", ".jpg", ...;
-    default: the extension of `path`; `params` as `cv2.imwrite`'s) to `path` atomically:
-    `cv2.imwrite`'s bytes; its `FileRecord`. OSError naming `path` when cv2 cannot encode it."""
+    """`image` (HWC uint8, BGR as cv2 takes it) to `path` atomically, encoded by cv2 as `ext`
+    (".png", ".jpg", ...; default: the extension of `path`) with `params` as `cv2.imwrite`
+    takes them, so the bytes are `cv2.imwrite`'s; its `FileRecord`. OSError naming `path` when
+    cv2 cannot encode it."""
     import cv2  # here: only the image writers need OpenCV
     ext = ext or os.path.splitext(os.fspath(path))[1]
     try:
