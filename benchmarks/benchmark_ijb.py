@@ -38,7 +38,8 @@ def benchmark(cfg, root, repeats):
 
     from plsc import distributed as pd
     from plsc.data import FaceTransform, IJBFaceDataset, read_ijb_meta
-    from plsc.runtime import build_backbone, start
+    from plsc.builders import build_backbone
+    from plsc.runtime import start
     from plsc.checkpoint import find_checkpoint
     from plsc.apps.ijb import evaluate_ijb
 

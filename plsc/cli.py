@@ -11,11 +11,10 @@ import sys
 
 from . import startup
 from .config import ConfigError, load_config
+from .exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 __all__ = ["config_parser", "add_onnx_options", "run_tool", "report_summary",
            "DATA_ERROR_EXIT_CODE"]
-
-DATA_ERROR_EXIT_CODE = 65  # EX_DATAERR: an input file is malformed
 
 
 def config_parser(description, override_example="-o Global.checkpoint=latest"):
@@ -67,7 +66,7 @@ def run_tool(args, task, *extra, expected=(), before=None):
         code = err.exit_code
     except (ConfigError, FileNotFoundError, *expected) as err:
         print(f"error: {err}", file=sys.stderr)
-        code = 2
+        code = CONFIG_ERROR_EXIT_CODE
     except BaseException:
         startup.end()  # a crash: its traceback and status, not a preemption
         raise

@@ -10,6 +10,9 @@ The checksum is CRC-32 (`zlib.crc32`): it streams at several GB/s, far faster th
 and catches the damage checkpoints meet (cut files, flipped bits, zeroed pages). It is no
 defence against deliberate tampering; nothing here is.
 
+The formats plsc writes have their writer here too: `write_json`, `write_npy`, `write_npz` and
+`write_image` (cv2's encoders), each giving the same bytes as the library's own file writer.
+
 One file is written in place instead: a lock file (`write_in_place`), whose lock belongs to
 the file itself and would be lost by a rename.
 
@@ -18,14 +21,18 @@ file under it for writing here fails as on a read-only file system (EROFS).
 """
 import contextlib
 import errno
+import json
 import os
 import shutil
 import zlib
 from typing import NamedTuple
 
+import numpy as np
+
 __all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
            "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "temp_folder",
-           "commit_folder", "write_in_place", "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX",
+           "commit_folder", "write_in_place", "write_json", "write_npy", "write_npz", "write_image",
+           "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX",
            "TEST_READ_ONLY_ENV"]
 
 TEMP_SUFFIX = ".part"
@@ -192,6 +199,52 @@ def atomic_path(path):
             os.remove(tmp)
         raise
     commit_file(tmp, path)
+
+
+def write_json(path, obj, indent=1):
+    """`json.dumps(obj, indent=indent)` to `path` atomically; its `FileRecord`."""
+    return atomic_write(path, json.dumps(obj, indent=indent))
+
+
+def write_npy(path, array):
+    """`array` as a `.npy` (`np.save`'s bytes) to `path` atomically; its `FileRecord`."""
+    with AtomicWriter(path) as f:
+        np.save(f, array)
+    return f.record
+
+
+def write_npz(path, arrays):
+    """{name: array} as an uncompressed `.npz` (`np.savez`) to `path` atomically (no `.npz`
+    appended); its `FileRecord`. Written to a real file: zipfile lays a seekable file out
+    differently from a stream."""
+    _refused_for_tests(path)
+    tmp = _temp_name(os.fspath(path))
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    except BaseException as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        if isinstance(err, OSError):
+            err.filename = os.fspath(path)  # not its temporary name
+        raise
+    return commit_file(tmp, path)
+
+
+def write_image(path, image, params=(), ext=None):
+    """`image` (HWC uint8, BGR as cv2 takes it) to `path` atomically, encoded by cv2 as `ext`
+    (".png", ".jpg", ...; default: the extension of `path`) with `params` as `cv2.imwrite`
+    takes them, so the bytes are `cv2.imwrite`'s; its `FileRecord`. OSError naming `path` when
+    cv2 cannot encode it."""
+    import cv2  # here: only the image writers need OpenCV
+    ext = ext or os.path.splitext(os.fspath(path))[1]
+    try:
+        ok, data = cv2.imencode(ext, image, list(params))
+    except cv2.error:
+        ok = False
+    if not ok:
+        raise OSError(f"could not encode {path} as a {ext or 'extensionless'} image")
+    return atomic_write(path, data)
 
 
 def write_in_place(fd, data):

@@ -1,8 +1,10 @@
-"""What training (`plsc.train`) and the applications (`plsc.apps`) share: the device and
-process group a run starts with (`start`), how plsc uses the CPU (BLAS code path, threads,
-malloc), the backbone and the data set a config names (`build_backbone`, `open_dataset`), and
-when a progress bar is drawn (`show_progress`, `progress`). Importing this module does not
-import Paddle (`import plsc` runs `blas_dispatch` before Paddle loads MKL).
+"""How a run starts: what must happen before Paddle loads (`blas_dispatch`, run by `import
+plsc`) and the device and process group every run of a config begins with (`start`), with
+the CPU set-up they make (BLAS code path, threads, malloc). Importing this module imports
+neither Paddle nor `plsc.config` (YAML and the schema), so that `import plsc` and a tool's
+first line, before `plsc.startup.hold`, stay light; the functions that need them import them.
+The backbone and data set a config names are built by `plsc.builders`, progress bars drawn by
+`plsc.progress` (their names are still reachable here).
 
 **BLAS dispatch.** Paddle's bundled MKL picks a generic code path on processors that are not
 Intel's; with ``MKL_DEBUG_CPU_TYPE=5`` it takes its AVX2 kernels (measured on an AMD EPYC: a
@@ -14,6 +16,7 @@ processors without AVX2, a variable the user set, and ``PLSC_MKL_DISPATCH=keep``
 by one rule (Global.cpu_threads, else the user's OMP_NUM_THREADS, else the usable cores divided
 by the ranks on the node), and malloc keeping freed blocks on the CPU.
 """
+import importlib
 import os
 import platform
 import sys
@@ -24,8 +27,12 @@ from .cpu_setup import keep_freed_memory, usable_cores  # noqa: F401 (this modul
 
 __all__ = ["blas_dispatch", "BLAS_NOTE", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory",
-           "select_device", "start", "build_backbone", "load_pretrained", "open_dataset", "DATA_HELP",
-           "show_progress", "progress"]
+           "select_device", "start"]
+
+# Names that lived here, now in the module named, reached through `__getattr__` so that
+# importing this module still does not import Paddle.
+_MOVED = {"build_backbone": "builders", "load_pretrained": "builders", "open_dataset": "builders",
+          "DATA_HELP": "builders", "show_progress": "progress", "progress": "progress"}
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
 
@@ -118,100 +125,7 @@ def start(cfg):
     return device
 
 
-def build_backbone(cfg):
-    """The backbone of `cfg['Model']` for `cfg['Data']['image_size']` images. The keys only some
-    backbones have (`Model.drop_path_rate`, `mask_ratio`, `patch_size`, `recompute`) override
-    the name's values when set; set for a backbone without them, they are a ConfigError naming
-    the key."""
-    from .config import ConfigError
-    from .models import build_model, model_options
-    m = cfg["Model"]
-    options = {key: m[key] for key in ("drop_path_rate", "mask_ratio", "patch_size", "recompute")
-               if m.get(key) is not None}
-    for key, value in options.items():
-        if key not in model_options(m["name"]):
-            raise ConfigError(f"Model.{key}={value!r}: {m['name']} has no {key} (only "
-                              f"{'IResNets and ' if key == 'recompute' else ''}ViTs have it); "
-                              "leave it null")
-    return build_model(m["name"], embedding_size=m["embedding_size"],
-                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"],
-                       **options)
-
-
-def load_pretrained(backbone, path):
-    """Global.pretrained: set `backbone`'s weights from a plsc `.pdparams` file, or from an
-    arcface_torch file (torch's format: a `.pt`/`.pth` name or a zip archive), read without
-    torch by `plsc.models.from_insightface`, which checks every key and shape; a mismatch is a
-    ConfigError of one line naming the keys. Returns `path`."""
-    from .config import ConfigError
-    from .models.insightface import from_insightface, is_torch_file
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Global.pretrained: no file {path}")
-    if is_torch_file(path):
-        try:
-            from_insightface(backbone, path)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"Global.pretrained: {err}") from None
-    else:
-        from .checkpoint import load_paddle_file
-        backbone.set_state_dict(load_paddle_file(path))
-    return path
-
-
-DATA_HELP = ("make a RecordIO set with `python tools/pack_rec.py --input IMAGE_DIR --output ROOT`, "
-             "or try `configs/demo.yaml`, which generates synthetic identities")
-_SOURCES = ("recordio", "folder", "list")
-
-
-def _source_kind(root):
-    """recordio, folder or list: what `root` is (a folder with train.idx, a folder, a file)."""
-    if os.path.isdir(root):
-        return "recordio" if os.path.isfile(os.path.join(root, "train.idx")) else "folder"
-    if os.path.isfile(root):
-        return "list"
-    raise FileNotFoundError(f"{root} is neither a RecordIO folder, an image folder nor a list file")
-
-
-def open_dataset(kind, root, image_size, train, what="Data.root", **options):
-    """(dataset, kind) for the images at `root`: `kind` is Data.dataset (recordio, folder,
-    list; synthetic, once generated, is read as recordio) or "auto" (from what `root` is).
-    `train`: with the training transform (else the image alone, in order); `options` go to
-    the dataset (num_classes, skip_bad). A missing `root` or RecordIO file is a ConfigError
-    naming `what`."""
-    from . import data
-    from .config import ConfigError
-    kind = _source_kind(root) if kind == "auto" else ("recordio" if kind == "synthetic" else kind)
-    if kind not in _SOURCES:
-        raise ConfigError(f"Data.dataset must be one of {_SOURCES + ('synthetic',)}, got {kind!r}")
-    if not os.path.exists(root):
-        raise ConfigError(f"{what} {root} does not exist; {DATA_HELP}")
-    if kind == "recordio":
-        for name in ("train.rec", "train.idx"):
-            if not os.path.isfile(os.path.join(root, name)):
-                raise ConfigError(f"{what} {root} has no {name}; {DATA_HELP}")
-    cls = {"recordio": data.RecordIODataset, "folder": data.ImageFolderDataset,
-           "list": data.ImageListDataset}[kind]
-    return cls(root, image_size=tuple(image_size), train=train, **options), kind
-
-
-def show_progress(requested=None, setting=True, rank=0, stream=None):
-    """Whether this process draws a progress bar: on rank 0 only; `requested` (True/False)
-    when given, else `setting` (Logging.progress_bar) and `stream` (default stderr) being a
-    terminal."""
-    if rank != 0:
-        return False
-    if requested is not None:
-        return bool(requested)
-    return bool(setting) and (stream or sys.stderr).isatty()
-
-
-def progress(done, total, enabled, label=""):
-    """Draw `done`/`total` as a one-line bar on stderr (ending the line when done >= total);
-    nothing unless `enabled`."""
-    if enabled:
-        width = 30
-        fill = width * done // max(total, 1)
-        sys.stderr.write(f"\r{label}[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

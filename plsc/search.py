@@ -9,7 +9,7 @@ with `normalize=False`, raw dot products. An index is one file written through p
 """
 import numpy as np
 
-from .fileio import atomic_path
+from .fileio import write_npz
 from .metrics.scan import (DEFAULT_BLOCK_BYTES, LocalComm, TopK, block_size, blocks, collect_above,
                            prepare_embeddings, scan, threshold_at_rate)
 
@@ -78,8 +78,7 @@ class SearchIndex:
             arrays["embeddings"] = self.embeddings
         else:
             arrays["faiss"] = _faiss().serialize_index(self.faiss_index)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+        write_npz(path, arrays)
         return path
 
 

@@ -36,10 +36,11 @@ import sys
 import threading
 import time
 
+from .exits import PREEMPTED_EXIT_CODE, signal_exit_code
+
 __all__ = ["PREEMPTED_EXIT_CODE", "SIGNALS", "BURST_SECONDS", "hold", "guard", "group_ready",
            "settle", "hand_over", "end", "preempted_message", "same_request", "end_at_once"]
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a re-queued job does
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 BURST_SECONDS = 1.0  # SIGTERMs this soon after a first SIGTERM repeat it (Paddle's launcher)
 
@@ -63,7 +64,7 @@ def end_at_once(signum, note=""):
     """A second stop signal: one line, then exit at once with status 128 + `signum`."""
     name = signal.Signals(signum).name
     _write_line(f"plsc: second stop signal ({name}): ending at once{note}")
-    os._exit(128 + int(signum))
+    os._exit(signal_exit_code(signum))
 
 
 def _write_line(text):

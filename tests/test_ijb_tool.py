@@ -16,7 +16,7 @@ from engine_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
 from plsc.data import DataError, FaceTransform, align_face
-from plsc.runtime import build_backbone
+from plsc.builders import build_backbone
 from plsc.apps.ijb import evaluate_ijb
 from plsc.metrics import ijb_report
 

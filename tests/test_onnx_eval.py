@@ -15,7 +15,7 @@ from engine_common import IMAGE, config, make_data
 from ijb_layout import make_layout
 from oracles import rel_err
 from plsc.config import dump_config
-from plsc.runtime import build_backbone
+from plsc.builders import build_backbone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(HERE), "tools")

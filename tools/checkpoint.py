@@ -20,7 +20,8 @@ import argparse
 import sys
 
 from plsc.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
-from plsc.cli import DATA_ERROR_EXIT_CODE, run_tool
+from plsc.cli import run_tool
+from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def verify(a):
@@ -32,20 +33,21 @@ def verify(a):
         return DATA_ERROR_EXIT_CODE
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     print(f"OK {a.checkpoint}")
     return 0
 
 
 def import_arcface_torch(cfg, folder):
     from plsc import runtime
+    from plsc.builders import build_backbone
     from plsc.checkpoint.arcface_torch import arcface_torch_files, import_arcface_torch
     from plsc.checkpoint.lock import claim_folder
     runtime.select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     with claim_folder(cfg["Global"]["output_dir"]) as lock:  # it writes checkpoints/ and latest
         for note in lock.notes:
             print(f"plsc: {note}", file=sys.stderr)
-        path = import_arcface_torch(arcface_torch_files(folder), cfg, runtime.build_backbone(cfg),
+        path = import_arcface_torch(arcface_torch_files(folder), cfg, build_backbone(cfg),
                                     log=lambda msg: print(msg, file=sys.stderr))
     print(f"wrote {path}; resume it with -o Global.checkpoint={path} (or Global.checkpoint: auto)")
 

@@ -24,6 +24,8 @@ vit_l_dp005_mask_005, vit_h. Exit status: 0, 2 for a bad argument or weights tha
 import argparse
 import sys
 
+from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -57,10 +59,10 @@ def main(argv=None):
                                              a.verify)
     except CheckpointDamaged as err:
         print(f"error: {err}", file=sys.stderr)
-        return 65
+        return DATA_ERROR_EXIT_CODE
     except (FileNotFoundError, ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     print("\n".join(lines))
     return 0
 

@@ -26,6 +26,7 @@ from plsc.checkpoint import (CheckpointDamaged, convert_checkpoint, export_class
                              import_classifier, read_meta, reshard_checkpoint, verify_checkpoint)
 from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, lock_folder, run_folder_of
 from plsc.dtypes import FLOAT_DTYPES
+from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def main(argv=None):
@@ -76,13 +77,13 @@ def main(argv=None):
             print(f"wrote {a.output} with the classifier from {a.import_}")
     except CheckpointDamaged as err:
         print(f"error: {err}", file=sys.stderr)
-        return 65
+        return DATA_ERROR_EXIT_CODE
     except (FolderInUse, FolderNotWritable) as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
     except (FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     finally:
         if lock is not None:
             lock.release()

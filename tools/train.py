@@ -24,9 +24,10 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 
 def train(cfg):
     from plsc.train import Trainer
-    from plsc.checkpoint import IO_ERROR_EXIT_CODE, CheckpointSaveError
-    from plsc.train.preemption import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE, Preempted, RankLost
-    from plsc.train.divergence import DIVERGED_EXIT_CODE, Diverged
+    from plsc.checkpoint import CheckpointSaveError
+    from plsc.exits import DIVERGED_EXIT_CODE, IO_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+    from plsc.train.preemption import Preempted, RankLost
+    from plsc.train.divergence import Diverged
     try:
         Trainer(cfg).train()
     except Preempted as err:

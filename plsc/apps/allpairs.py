@@ -10,8 +10,9 @@ from .. import distributed as pd
 from .. import runtime
 from ..data import DataError
 from ..embedding import RankComm
+from ..fileio import write_json
 from ..metrics.allpairs import ALLPAIRS_FARS, allpairs_tar_at_far
-from .arrays import load_embeddings, load_labels, write_json
+from .arrays import load_embeddings, load_labels
 
 __all__ = ["evaluate_allpairs", "format_allpairs_table"]
 

@@ -1,12 +1,11 @@
 """Reading the embedding and label arrays the identification tools take (.npy), with one-line
-errors, and writing their results through plsc.fileio."""
-import json
+errors. Their results are written by `plsc.fileio` (`write_json`, `write_npy`, re-exported here)."""
 import os
 
 import numpy as np
 
 from ..data import DataError
-from ..fileio import AtomicWriter
+from ..fileio import write_json, write_npy  # noqa: F401 (re-exported)
 
 __all__ = ["load_embeddings", "load_labels", "write_json", "write_npy"]
 
@@ -44,12 +43,3 @@ def load_labels(path, rows):
         raise DataError(f"{path}: {len(y)} labels for {rows} embeddings")
     return y
 
-
-def write_json(path, obj):
-    with AtomicWriter(path) as f:
-        f.write(json.dumps(obj, indent=1))
-
-
-def write_npy(path, arr):
-    with AtomicWriter(path) as f:
-        np.save(f, arr)

@@ -47,7 +47,6 @@ status 73) while a training job or another cleaning uses the folder.
 """
 import contextlib
 import copy
-import json
 import os
 import sys
 
@@ -56,6 +55,7 @@ import paddle
 
 from .. import distributed as pd
 from .. import runtime
+from ..builders import open_dataset
 from ..checkpoint import (agree_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32,
                           write_k1_checkpoint)
 from ..checkpoint.lock import claim_folder
@@ -63,9 +63,10 @@ from ..config import ConfigError
 from ..data import irheader
 from ..data.facerec import read_property, write_face_rec
 from ..embedding import gather_shares, rank_share, share_batches
-from ..fileio import AtomicWriter, atomic_write, commit_folder, temp_folder
+from ..fileio import AtomicWriter, commit_folder, temp_folder, write_json
 from ..metrics import angle_histogram_image, save_angle_histogram_png
 from ..numerics import SLAB_BYTES
+from ..progress import progress as draw_progress, show_progress
 
 __all__ = ["clean_subcenters", "source_dataset", "subcenter_cosines", "dominant_centres",
            "angles_to_dominant", "HIST_BIN_DEGREES"]
@@ -78,7 +79,7 @@ def source_dataset(cfg):
     """The config's training set (Data.dataset, Data.root) read without augmentation, in
     order, as normalised float32 images: (dataset, kind) with kind recordio, folder or list."""
     d = cfg["Data"]
-    return runtime.open_dataset(d["dataset"], d["root"], d["image_size"], train=False,
+    return open_dataset(d["dataset"], d["root"], d["image_size"], train=False,
                                 num_classes=cfg["Loss"]["num_classes"])
 
 
@@ -90,7 +91,7 @@ def _embed_share(model, ds, n, batch_size, num_workers, progress):
         for images, batch_labels in share_batches(ds, n, batch_size, num_workers):
             embeddings.append(model(images).astype("float32").numpy())
             labels.append(batch_labels.numpy().reshape(-1).astype(np.int64))
-            runtime.progress(sum(map(len, labels)), stop - start, progress, "embedding ")
+            draw_progress(sum(map(len, labels)), stop - start, progress, "embedding ")
     if not embeddings:
         return None, np.zeros([0], np.int64)
     return np.concatenate(embeddings), np.concatenate(labels)
@@ -267,7 +268,7 @@ def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
     if cfg["Loss"]["num_classes"] != num_classes:
         raise ConfigError(f"checkpoint {path} has {num_classes} classes, Loss.num_classes is "
                           f"{cfg['Loss']['num_classes']}")
-    progress = runtime.show_progress(progress, cfg["Logging"]["progress_bar"], rank)
+    progress = show_progress(progress, cfg["Logging"]["progress_bar"], rank)
 
     from .tasks import trained_backbone
     run_cfg = copy.deepcopy(cfg)
@@ -315,7 +316,7 @@ def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
     outputs["checkpoint_k1"] = write_k1_checkpoint(path, os.path.join(out_dir, "checkpoint_k1"),
                                                    dominant, cfg, meta)
     summary["outputs"] = outputs
-    atomic_write(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
+    write_json(os.path.join(out_dir, "summary.json"), summary)
     summary["arrays"] = {"labels": labels, "picks": picks, "dominant": dominant, "angles": angles,
                          "kept": kept, "cosines": cos}
     return summary

@@ -16,9 +16,9 @@ from .. import distributed as pd
 from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, read_ijb_meta
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from ..embedding import embedding_size, gather_shares, rank_share, share_batches
+from ..fileio import write_json, write_npy
 from .. import runtime
-from ..runtime import progress as draw_progress, show_progress
-from .arrays import write_json, write_npy
+from ..progress import progress as draw_progress, show_progress
 from .tasks import evaluation_model
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "ijb_features",

@@ -16,10 +16,10 @@ import numpy as np
 from .. import distributed as pd
 from .. import runtime
 from ..data import DataError, read_ijb_1n_lists, read_ijb_meta
+from ..fileio import write_json
 from ..metrics import template_features
 from ..metrics.identification import (CMC_RANKS, FPIR_TARGETS, IJB1N_FARS, IJB1N_RANKS,
                                       ijb_1n_convention, open_set_identification)
-from .arrays import write_json
 from .ijb import ijb_features
 
 __all__ = ["ijb_1n_report", "format_ijb_1n_table", "evaluate_ijb_1n"]

@@ -10,18 +10,18 @@ import os
 import sys
 import time
 
-import cv2
 import numpy as np
 import paddle
 
 from .. import distributed as pd
 from .. import runtime
+from ..builders import open_dataset
 from ..data import DataError, ImagePathsDataset
 from ..embedding import RankComm, gather_shares, rank_share, share_batches
-from ..fileio import atomic_write
+from ..fileio import atomic_write, write_image, write_json, write_npy
 from ..metrics.megaface import MEGAFACE_COUNTS, megaface_report
 from ..metrics.plot import curve_image, roc_image
-from .arrays import load_embeddings, load_labels, write_json, write_npy
+from .arrays import load_embeddings, load_labels
 from .tasks import evaluation_model
 
 __all__ = ["read_noise_list", "drop_noise", "load_set", "format_megaface_table", "evaluate_megaface"]
@@ -81,7 +81,7 @@ def load_set(cfg, source, role, model_box):
     cfg, model = model_box()
     size = tuple(cfg["Data"]["image_size"])
     if role == "probes":
-        ds, _ = runtime.open_dataset("auto", source, size, train=False, what="--probes")
+        ds, _ = open_dataset("auto", source, size, train=False, what="--probes")
     else:
         ds = ImagePathsDataset(source, image_size=size)
     if len(ds) == 0:
@@ -104,10 +104,7 @@ def format_megaface_table(result):
 
 
 def _png(path, rgb):
-    ok, data = cv2.imencode(".png", np.ascontiguousarray(rgb[:, :, ::-1]))
-    if not ok:
-        raise OSError(f"could not encode {path}")
-    atomic_write(path, data.tobytes())
+    write_image(path, np.ascontiguousarray(rgb[:, :, ::-1]), ext=".png")
 
 
 def evaluate_megaface(cfg, probes, distractors, probe_noise=None, distractor_noise=None,

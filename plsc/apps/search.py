@@ -10,8 +10,9 @@ from .. import distributed as pd
 from .. import runtime
 from ..data import DataError
 from ..embedding import RankComm, gather_shares, rank_share
+from ..fileio import write_json, write_npz
 from ..search import build_index, load_index, open_set_threshold, overlap_report
-from .arrays import load_embeddings, load_labels, write_json
+from .arrays import load_embeddings, load_labels
 
 __all__ = ["build", "query", "threshold", "overlap", "read_names"]
 
@@ -89,9 +90,7 @@ def query(cfg, index_path, queries, output, k=10, threshold_value=None, nonmated
         result["threshold"] = np.float64(threshold_value)
         result["accepted"] = scores[:, 0] > threshold_value
     if pd.get_rank() == 0:
-        from ..fileio import atomic_path
-        with atomic_path(output) as tmp, open(tmp, "wb") as f:
-            np.savez(f, **result)
+        write_npz(output, result)
         msg = f"top-{k} of {len(q)} queries in a {index.kind} index of {len(index)}: {output}"
         if threshold_value is not None:
             msg += f"; {int(result['accepted'].sum())} above the threshold {threshold_value:.6f}"

@@ -10,8 +10,11 @@ from ..checkpoint import find_checkpoint
 from ..checkpoint.layout import BACKBONE
 from ..config import ConfigError
 from ..embedding import VerificationEvaluator, embed
+from ..fileio import write_npy
 from ..metrics import save_roc_png
-from ..runtime import build_backbone, open_dataset, progress as draw_progress, select_device, show_progress, start
+from ..builders import build_backbone, open_dataset
+from ..progress import progress as draw_progress, show_progress
+from ..runtime import select_device, start
 from .export import export_backbone, load_backbone_weights
 from .onnx_backbone import onnx_backbone
 
@@ -116,6 +119,6 @@ def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, pro
         draw_progress(done, len(ds), progress)
     emb = np.concatenate(embeddings)
     stem = output[:-4] if output.endswith(".npy") else output
-    np.save(stem + ".npy", emb)
-    np.save(stem + "_labels.npy", np.concatenate(labels))
+    write_npy(stem + ".npy", emb)
+    write_npy(stem + "_labels.npy", np.concatenate(labels))
     return stem + ".npy", stem + "_labels.npy"

@@ -2,10 +2,9 @@
 import json
 
 from ..data.errors import DataError
+from ..exits import IO_ERROR_EXIT_CODE
 
 __all__ = ["CheckpointDamaged", "CheckpointSaveError", "IO_ERROR_EXIT_CODE", "read_json"]
-
-IO_ERROR_EXIT_CODE = 74  # EX_IOERR: an error while writing a file
 
 
 class CheckpointDamaged(DataError):

@@ -22,7 +22,7 @@ import numpy as np
 import paddle
 
 from ..distributed import ClassPartition
-from ..fileio import AtomicWriter
+from ..fileio import AtomicWriter, write_npy
 from .. import storage
 from ..numerics import SLAB_BYTES, cast_nearest
 from ..quantized import INT8_MAPS, dequantize, record_dtype
@@ -33,12 +33,6 @@ from .manifest import npy_problem
 __all__ = ["array_dtype", "save_rows_npy", "write_rows_npy", "stream_npy", "slab_rows",
            "head_dtype", "load_head_rows", "load_head_rows_into", "rows_as_float32",
            "bfloat16_to_float32", "records_of", "head_array_bytes", "NPY_DTYPES"]
-
-
-def _save_npy(path, array):
-    with AtomicWriter(path) as f:
-        np.save(f, array)
-    return f.record
 
 
 _SLAB_BYTES = SLAB_BYTES  # bytes of rows a streamed save or load copies at a time
@@ -97,7 +91,7 @@ def save_rows_npy(path, rows):
 def write_rows_npy(path, rows):
     """`save_rows_npy` returning (dtype name, the file's `FileRecord`)."""
     if isinstance(rows, np.ndarray):
-        return rows.dtype.name, _save_npy(path, rows)
+        return rows.dtype.name, write_npy(path, rows)
     name = array_dtype(rows)
     if name in INT8_MAPS:  # records of (scale, codes)
         return name, _write_8bit(path, rows)

@@ -21,7 +21,7 @@ import json
 import os
 import re
 
-from ..fileio import atomic_write
+from ..fileio import write_json
 from .errors import CheckpointDamaged, read_json
 
 __all__ = ["META", "BACKBONE", "TRAINER", "LATEST", "BEST_SUMMARY", "LOCK_FILE", "STEP_DIR", "LEFTOVER_DIR",
@@ -90,7 +90,7 @@ def read_meta(path):
 
 def write_meta(folder, meta):
     """Write `folder/meta.json`; its `FileRecord`."""
-    return atomic_write(os.path.join(folder, META), json.dumps(meta, indent=1))
+    return write_json(os.path.join(folder, META), meta)
 
 
 def training_meta(*, epoch, batch_in_epoch, num_classes, embedding_size, shard_size,

@@ -32,15 +32,14 @@ import sys
 import weakref
 
 from .. import distributed as pd
+from ..exits import IN_USE_EXIT_CODE, IO_ERROR_EXIT_CODE
 from ..fileio import atomic_write, write_in_place
-from .errors import IO_ERROR_EXIT_CODE
 from .layout import LOCK_FILE
 from .manager import _exchange
 
 __all__ = ["FolderLock", "FolderInUse", "FolderNotWritable", "IN_USE_EXIT_CODE", "claim_folder",
            "lock_folder", "probe_writable", "filesystem_type", "run_folder_of"]
 
-IN_USE_EXIT_CODE = 73  # EX_CANTCREAT: the output folder is in use by another job
 PROBE_FILE = ".plsc.probe"
 MOUNTS = "/proc/self/mounts"
 # file systems where a flock may not reach other machines (besides fuse.*)

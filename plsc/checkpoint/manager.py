@@ -28,7 +28,8 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from ..fileio import FOLDER_SUFFIX, FileRecord, atomic_write, commit_folder, free_bytes, is_temporary, temp_folder
+from ..fileio import (FOLDER_SUFFIX, FileRecord, atomic_write, commit_folder, free_bytes, is_temporary, temp_folder,
+                      write_json)
 from .errors import CheckpointDamaged, CheckpointSaveError
 from .head_arrays import array_dtype, head_array_bytes, write_rows_npy
 from .layout import (BACKBONE, BEST_SUMMARY, LATEST, LEFTOVER_DIR, META, STEP_DIR, TRAINER,
@@ -423,7 +424,7 @@ def save_best(output_dir, target, step, report, backbone_state, group=None):
             atomic_write(os.path.join(tmp, BACKBONE), data)
             summary = {"target": target, "step": int(step),
                        **{k: v for k, v in report.items() if k not in ("far", "tar")}}
-            atomic_write(os.path.join(tmp, BEST_SUMMARY), json.dumps(summary, indent=1))
+            write_json(os.path.join(tmp, BEST_SUMMARY), summary)
             commit_folder(tmp, final)
     state.agree(tmp)
     return final

@@ -9,12 +9,11 @@ reads every byte), "size" (sizes only) or "none". A checkpoint written before ma
 existed gets the checks its files allow: meta.json must parse and each head `.npy` must be as
 long as its header says.
 """
-import json
 import os
 
 import numpy as np
 
-from ..fileio import FileRecord, atomic_write, checksum_file
+from ..fileio import FileRecord, checksum_file, write_json
 from .errors import CheckpointDamaged, read_json
 from .layout import META
 
@@ -28,8 +27,7 @@ VERIFY_LEVELS = ("full", "size", "none")
 def write_manifest(folder, records):
     """Write `folder/manifest.json` from {path relative to folder: FileRecord}."""
     files = {name: {"size": int(r.size), "crc32": r.crc32} for name, r in sorted(records.items())}
-    return atomic_write(os.path.join(folder, MANIFEST),
-                        json.dumps({"format": 1, "checksum": "crc32", "files": files}, indent=1))
+    return write_json(os.path.join(folder, MANIFEST), {"format": 1, "checksum": "crc32", "files": files})
 
 
 def read_manifest(folder):

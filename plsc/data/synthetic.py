@@ -15,8 +15,10 @@ import os
 import cv2
 import numpy as np
 
+from ..fileio import atomic_write, write_image
 from .align import reference_points
 from .facerec import write_face_rec
+from .ijb_1n import ijb_1n_paths
 from .verification import write_verification_bin
 
 __all__ = ["make_template", "make_prototype", "render_sample", "generate", "generate_ijb",
@@ -153,20 +155,18 @@ def generate_ijb(root, target="ijbc", num_identities=6, templates_per_identity=3
     for name, (_, _, m, ident, _) in zip(names, rows):
         face = render_sample(protos[ident], rng, strength)
         crop = cv2.warpAffine(face, m, (crop_size, crop_size), borderMode=cv2.BORDER_REFLECT101)
-        if not cv2.imwrite(os.path.join(root, "loose_crop", name), cv2.cvtColor(crop, cv2.COLOR_RGB2BGR)):
-            raise OSError(f"could not write {os.path.join(root, 'loose_crop', name)}")
+        write_image(os.path.join(root, "loose_crop", name), cv2.cvtColor(crop, cv2.COLOR_RGB2BGR))
     tids = sorted(identity_of)
     pairs = [(a, b, int(identity_of[a] == identity_of[b])) for i, a in enumerate(tids) for b in tids[i + 1:]]
     if max_pairs is not None and len(pairs) > max_pairs:
         pairs = [pairs[i] for i in np.sort(rng.choice(len(pairs), max_pairs, replace=False))]
     meta = os.path.join(root, "meta", target.lower())
-    with open(meta + "_face_tid_mid.txt", "w") as f:
-        f.writelines(f"{name} {tid} {mid}\n" for name, (tid, mid, *_) in zip(names, rows))
-    with open(meta + "_name_5pts_score.txt", "w") as f:
-        f.writelines(name + " " + " ".join(f"{v:.4f}" for v in lmk.reshape(-1)) + f" {score:.4f}\n"
-                     for name, lmk, score in zip(names, landmarks, det_scores))
-    with open(meta + "_template_pair_label.txt", "w") as f:
-        f.writelines(f"{a} {b} {label}\n" for a, b, label in pairs)
+    atomic_write(meta + "_face_tid_mid.txt",
+                 "".join(f"{name} {tid} {mid}\n" for name, (tid, mid, *_) in zip(names, rows)))
+    atomic_write(meta + "_name_5pts_score.txt",
+                 "".join(name + " " + " ".join(f"{v:.4f}" for v in lmk.reshape(-1)) + f" {score:.4f}\n"
+                         for name, lmk, score in zip(names, landmarks, det_scores)))
+    atomic_write(meta + "_template_pair_label.txt", "".join(f"{a} {b} {label}\n" for a, b, label in pairs))
     return {"names": names, "templates": np.array([r[0] for r in rows]), "medias": np.array([r[1] for r in rows]),
             "landmarks": landmarks, "det_scores": np.asarray(det_scores),
             "identities": np.array([r[3] for r in rows]),
@@ -178,8 +178,6 @@ def write_ijb_1n_lists(root, target, ref):
     each identity's lowest template id is its gallery template, in gallery 1 (G1 / S1) for even
     identities and gallery 2 for odd ones; its other templates are probes. Subject ids are
     identity + 1001. Returns {name: (template ids, subject ids)} as written."""
-    from ..fileio import atomic_write
-    from .ijb_1n import ijb_1n_paths
     paths = ijb_1n_paths(root, target)
     g1, g2 = [k for k in paths if k != "probe"]
     subject_of = {int(t): int(i) + 1001 for t, i in zip(ref["templates"], ref["identities"])}
@@ -205,7 +203,6 @@ def generate_megaface(root, num_identities=6, images_per_identity=(3, 6), num_di
     `root`), and noise lists in insightface's format (one path a line):
     ``facescrub_noises.txt`` (one probe image) and ``megaface_noises.txt`` (two distractors).
     Distractors are rendered from identities of their own. Returns the paths and counts."""
-    from ..fileio import atomic_write
     rng = np.random.default_rng(seed)
     layout = make_template(rng, face_size)
     num_probes = 0

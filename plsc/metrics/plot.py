@@ -5,6 +5,8 @@ import math
 import cv2
 import numpy as np
 
+from ..fileio import write_image
+
 __all__ = ["roc_image", "save_roc_png", "angle_histogram_image", "save_angle_histogram_png",
            "curve_image", "save_curve_png"]
 
@@ -50,8 +52,7 @@ def roc_image(curves, size=(640, 480), far_min=1e-4):
 
 def save_roc_png(curves, path, size=(640, 480), far_min=1e-4):
     """Plot TAR against FAR (log scale, `far_min` … 1) for `curves` {label: (far, tar)} to `path`."""
-    if not cv2.imwrite(path, _draw(curves, size, far_min)):
-        raise OSError(f"could not write {path}")
+    write_image(path, _draw(curves, size, far_min))
     return path
 
 
@@ -106,9 +107,7 @@ def angle_histogram_image(angles, kept, threshold, bin_degrees=2.0, size=(720, 4
 def save_angle_histogram_png(angles, kept, threshold, path, bin_degrees=2.0, size=(720, 420),
                              title=""):
     """`angle_histogram_image` written to the PNG `path`."""
-    if not cv2.imwrite(path, _draw_angle_histogram(angles, kept, threshold, bin_degrees, size,
-                                                   title)):
-        raise OSError(f"could not write {path}")
+    write_image(path, _draw_angle_histogram(angles, kept, threshold, bin_degrees, size, title))
     return path
 
 
@@ -159,9 +158,5 @@ def curve_image(curves, x_label, y_label, log_x=False, size=(640, 480)):
 
 def save_curve_png(curves, path, x_label, y_label, log_x=False, size=(640, 480)):
     """`curve_image` written to the PNG `path` (through plsc.fileio)."""
-    from ..fileio import atomic_write
-    ok, data = cv2.imencode(".png", _draw_curves(curves, x_label, y_label, log_x, size))
-    if not ok:
-        raise OSError(f"could not encode {path}")
-    atomic_write(path, data.tobytes())
+    write_image(path, _draw_curves(curves, x_label, y_label, log_x, size), ext=".png")
     return path

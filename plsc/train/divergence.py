@@ -8,9 +8,9 @@ reports in one line and exits with `DIVERGED_EXIT_CODE`. No checkpoint is writte
 weights that are not finite.
 """
 
-__all__ = ["DIVERGED_EXIT_CODE", "Diverged", "NonFiniteSteps"]
+from ..exits import DIVERGED_EXIT_CODE
 
-DIVERGED_EXIT_CODE = 70  # EX_SOFTWARE: the run cannot go on as configured
+__all__ = ["DIVERGED_EXIT_CODE", "Diverged", "NonFiniteSteps"]
 
 
 class Diverged(Exception):

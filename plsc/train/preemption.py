@@ -36,12 +36,10 @@ import paddle
 from .. import distributed as pd
 from ..data.tensors import to_tensor
 from .. import startup
-from ..startup import PREEMPTED_EXIT_CODE
+from ..exits import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
            "host_group", "peer_failure"]
-
-RANK_LOST_EXIT_CODE = 69  # EX_UNAVAILABLE: a rank this one needs is gone
 
 # What gloo and NCCL say when the other end of a collective is gone or silent.
 _PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|"
