@@ -11,7 +11,7 @@
 Every setter writes config keys, each value checked at once against that key's rule in
 the config schema (a bad value raises ValueError naming the setter's argument); `train`,
 `test`, `convert_for_prediction` and `predict` build the validated config and call the
-engine, exactly as the tools do.
+trainer and the apps, exactly as the tools do.
 """
 import copy
 import os
