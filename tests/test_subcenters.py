@@ -4,7 +4,8 @@ import numpy as np
 import paddle
 import pytest
 
-from head_ranks import check_fused_vs_separate, check_subcenters, fused_failures
+from head_cases.adaface_subcenters import check_subcenters
+from head_cases.fused import check_fused_vs_separate, fused_failures
 from oracles import (class_rows, dense_reference, make_case, make_subcenter_case,
                      finite_difference_grads, oracle_reference, subcenter_cos)
 from plsc.loss import ArcFace, CombinedMargin, CosFace
