@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -62,10 +63,12 @@ def _launcher_env(nranks):
 
 @dataclass
 class RankEnd:
-    """How one rank started with `launcher=False` ended."""
+    """How one rank started with `launcher=False` ended (`ended`: time.time() then, or a
+    little later)."""
     status: int
     out: str
     err: str
+    ended: float
 
 
 @dataclass
@@ -117,7 +120,7 @@ class RankGroup:
                 out, err = proc.communicate()
                 pytest.fail(f"{self.what}: still running after {self.timeout} s (hang?)\n"
                             f"{(out or '')[-2000:]}{(err or '')[-2000:]}")
-            ends.append(RankEnd(proc.returncode, out or "", err or ""))
+            ends.append(RankEnd(proc.returncode, out or "", err or "", time.time()))
         reports = rank_report.read(self.report_dir, self.nranks)
         if self.log_dir is None:  # plain processes: their own streams
             logs = [e.out + e.err for e in ends]
