@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import CLASSES, config, make_data
+from trainer_common import CLASSES, config, make_data
 from plsc import torchfile
 from plsc.checkpoint import load_head_rows, read_meta
 from plsc.checkpoint.arcface_torch import _centres, arcface_torch_files, import_arcface_torch
@@ -48,7 +48,7 @@ def write_checkpoints(folder, backbone_state, centres, head_v, backbone_v):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(data root, the arcface_torch folder, the imported checkpoint, the arrays written)."""
-    data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
+    data = make_data(str(tmp_path_factory.getbasetemp() / "trainer_data"))
     folder = str(tmp_path_factory.mktemp("arcface_torch"))
     cfg = config(data, str(tmp_path_factory.mktemp("plsc")))
     paddle.seed(11)
@@ -102,7 +102,7 @@ def test_two_ranks_resume_the_imported_run_and_train_on(imported, run_ranks):
     """The 3-rank arcface_torch checkpoint, resumed on 2 plsc ranks: each rank holds its
     classes' rows and momentum, the step goes on from the file's, and training runs."""
     out = os.path.dirname(os.path.dirname(imported["path"]))
-    done = run_ranks(os.path.join(HERE, "engine_ranks.py"), 2,
+    done = run_ranks(os.path.join(HERE, "trainer_ranks.py"), 2,
                      ["--mode", "resume", "--data", imported["data"], "--out", out,
                       "--config-backbone", "--resume", f"at=float32:{imported['path']}"],
                      cwd=out, timeout=600)

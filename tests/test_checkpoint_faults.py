@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import scripts
-from engine_common import CLASSES, IMAGE, config, make_data
+from trainer_common import CLASSES, IMAGE, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
                                     verify_checkpoint)

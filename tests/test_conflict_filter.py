@@ -268,7 +268,7 @@ def test_wf12m_conflict_config_is_arcface_torchs_recipe():
 
 
 def test_trainer_builds_the_head_with_the_threshold(tmp_path):
-    from engine_common import config, make_backbone, make_data
+    from trainer_common import config, make_backbone, make_data
     from plsc.train import Trainer
     root = make_data(str(tmp_path / "data"))
     cfg = config(root, str(tmp_path / "out"),

@@ -255,7 +255,7 @@ def test_training_with_a_worker_killed_mid_batch_ends_with_one_line(tmp_path, go
 # ------------------------------------------------------------- damaged RecordIO and packs
 @pytest.fixture(scope="module")
 def rec_root(tmp_path_factory):
-    from engine_common import make_data
+    from trainer_common import make_data
     return make_data(str(tmp_path_factory.mktemp("synthetic")))
 
 

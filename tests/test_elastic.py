@@ -69,7 +69,7 @@ def etcd(tmp_path):
 
 @pytest.fixture
 def data_root(tmp_path_factory):
-    from engine_common import make_data
+    from trainer_common import make_data
     return make_data(str(tmp_path_factory.mktemp("synthetic")))
 
 

@@ -27,7 +27,7 @@ from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, claim_folder
 from plsc.config import dump_config
 from plsc.fileio import TEST_READ_ONLY_ENV
 from plsc.train import Trainer
-from engine_common import config, make_data
+from trainer_common import config, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

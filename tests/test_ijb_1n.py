@@ -230,7 +230,7 @@ def test_from_images_equals_from_the_saved_features(layout, tmp_path):
     """The backbone path: features extracted (and saved) in the run give the figures that the
     saved features give again."""
     import paddle
-    from engine_common import config
+    from trainer_common import config
     from plsc.apps.ijb_1n import evaluate_ijb_1n
     from plsc.builders import build_backbone
     cfg = config(str(tmp_path / "unused"), str(tmp_path / "out"), Eval={"batch_size": 16},

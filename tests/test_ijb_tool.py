@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import config
+from trainer_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
 from plsc.data import DataError, FaceTransform, align_face
@@ -184,7 +184,7 @@ def test_training_log_writes_the_roc_image(tmp_path):
 
 def test_training_verification_logs_its_roc_image(tmp_path):
     from visualdl import LogReader
-    from engine_common import make_data
+    from trainer_common import make_data
     from plsc.train import Trainer
     data = make_data(str(tmp_path / "data"))
     cfg = config(data, str(tmp_path / "run"), Global={"max_steps": 2},

@@ -484,7 +484,7 @@ def test_load_pretrained_reads_pt_and_pdparams(tmp_path):
 
 
 def test_trainer_and_tasks_start_from_an_arcface_torch_file(tmp_path):
-    from engine_common import IMAGE, config, make_data
+    from trainer_common import IMAGE, config, make_data
     from plsc.apps.tasks import trained_backbone
     from plsc.train import Trainer
     state = distinct_values(arcface_table("IResNetTiny", 32, (IMAGE, IMAGE)))

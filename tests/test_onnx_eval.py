@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import IMAGE, config, make_data
+from trainer_common import IMAGE, config, make_data
 from ijb_layout import make_layout
 from oracles import rel_err
 from plsc.config import dump_config

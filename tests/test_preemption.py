@@ -14,7 +14,7 @@ import paddle
 import pytest
 import yaml
 
-from engine_common import CLASSES, IMAGE, config, make_data
+from trainer_common import CLASSES, IMAGE, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint
 from plsc.train.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals

@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from engine_common import CLASSES, IMAGE, make_data
+from trainer_common import CLASSES, IMAGE, make_data
 from plsc.train import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,7 +146,7 @@ def seed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("startup")
     data = make_data(str(tmp / "data"))
     out = str(tmp / "seed")
-    from engine_common import config
+    from trainer_common import config
     cfg = config(data, out, Global={"max_steps": 2, "checkpoint": "auto"},
                  Data={"dataset": "recordio"}, Checkpoint={"interval": 2})
     Trainer(cfg).train()

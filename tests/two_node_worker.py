@@ -7,7 +7,7 @@ import os
 import sys
 
 import rank_report
-from engine_common import config
+from trainer_common import config
 
 from plsc.distributed import get_rank, get_world_size
 from plsc.train import Trainer

@@ -30,8 +30,9 @@ def fused_cases():
               ("adamw", "cosface", 101, 1.0, 7, "int8"),
               ("momentum", "softmax", 101, 0.5, 7, "int8"),
               ("adamw", "arcface", 101, 0.5, 0, "int8")]
-    # Enough classes that 4,096-class slabs split a block (test_head_dtypes forces the wide-block
-    # path for them: with D = 16 a block's gradient is far below the 64 MiB that takes it).
+    # Enough classes that 4,096-class slabs split a block (dtypes/test_head.py forces the
+    # wide-block path for them: with D = 16 a block's gradient is far below the 64 MiB that
+    # takes it).
     cases += [("momentum", "arcface", 10000, 1.0, 0, "float32"),
               ("adamw", "softmax", 10000, 1.0, 6000, "float32"),
               ("momentum", "cosface", 10000, 0.5, 0, "float32")]

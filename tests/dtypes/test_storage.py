@@ -1,13 +1,13 @@
 """plsc.storage: one interface to a head array whatever its storage, against numpy oracles
 (float32 as it is, 16 bits upcast exactly and written to nearest even, 8 bits through the
-maps' own oracle in test_int8), on both kernel sets."""
+maps' own oracle in dtypes/test_quantized.py), on both kernel sets."""
 import numpy as np
 import paddle
 import pytest
 
 from plsc import storage
 from plsc.quantized import Int8Rows, dequantize
-from test_rounding import rne
+from dtypes.test_rounding import rne
 from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
 
 N, D = 50, 8

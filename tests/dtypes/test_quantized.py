@@ -317,7 +317,7 @@ def test_reshard_2_to_3_and_loads_across_dtypes(tmp_path, monkeypatch):
     import plsc.checkpoint as ckpt
     import plsc.checkpoint.head_arrays as store
     from plsc.distributed import ClassPartition
-    from test_checkpoint_dtypes import C, D, bf16_bits_nearest_even, bf16_to_float32, \
+    from dtypes.test_checkpoint import C, D, bf16_bits_nearest_even, bf16_to_float32, \
         write_checkpoint
     monkeypatch.setattr(store, "_SLAB_BYTES", 2 * (4 + D))  # slabs of 2 records
     x, v = rows(n=C, d=D, seed=6), rows(n=C, d=D, seed=7)
@@ -356,7 +356,7 @@ def test_reshard_2_to_3_and_loads_across_dtypes(tmp_path, monkeypatch):
 
 def test_export_gives_float32_values_and_import_quantises(tmp_path):
     import plsc.checkpoint as ckpt
-    from test_checkpoint_dtypes import C, D, write_checkpoint
+    from dtypes.test_checkpoint import C, D, write_checkpoint
     x = rows(n=C, d=D, seed=8)
     w8 = records(x, "int8")
     src = write_checkpoint(tmp_path / "ck", {"weight": ("int8", w8),
@@ -403,7 +403,7 @@ def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys, m
     import plsc.checkpoint as ckpt
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
     import reshard
-    from test_checkpoint_dtypes import C, D, write_checkpoint
+    from dtypes.test_checkpoint import C, D, write_checkpoint
     x, m2 = rows(n=C, d=D, seed=12), rows(n=C, d=D, seed=13, positive=True)
     steps = np.arange(C, dtype=np.float32)
     src = write_checkpoint(tmp_path / "ck", {"weight": ("int8", records(x, "int8")),

@@ -7,7 +7,7 @@ import paddle
 import pytest
 
 from plsc.optim import SparseAdamW, SparseMomentum
-from test_rounding import neighbours, rne
+from dtypes.test_rounding import neighbours, rne
 from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
 
 DTYPES = ["bfloat16", "float16"]

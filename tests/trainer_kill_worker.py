@@ -1,12 +1,12 @@
 """Trains with checkpoints every 3 steps and SIGKILLs itself in the middle of the second save.
 
-    python tests/engine_kill_worker.py DATA_ROOT OUTPUT_DIR
+    python tests/trainer_kill_worker.py DATA_ROOT OUTPUT_DIR
 """
 import os
 import signal
 import sys
 
-from engine_common import config
+from trainer_common import config
 
 import plsc.checkpoint.manager as checkpoint
 from plsc.train import Trainer

@@ -1,8 +1,8 @@
 """Multi-rank trainer cases, run in one gloo group (conftest.run_ranks; one rank: one
 plain process).
 
-    tests/engine_ranks.py --mode invariant --data DATA --out OUT [--dtype D]
-    tests/engine_ranks.py --mode resume --data DATA --out OUT \
+    tests/trainer_ranks.py --mode invariant --data DATA --out OUT [--dtype D]
+    tests/trainer_ranks.py --mode resume --data DATA --out OUT \
         --resume TAG=DTYPE:CKPT [--resume TAG=DTYPE:CKPT ...]
 
 invariant: two optimizer steps on k ranks from fixed weights and a fixed global
@@ -33,7 +33,7 @@ PER_RANK = 3  # samples per rank and step
 
 def global_batches(world, seed=1):
     """The same global batches for any world size: STEPS x (images, labels) of 6 samples."""
-    from engine_common import CLASSES, IMAGE
+    from trainer_common import CLASSES, IMAGE
     rng = np.random.RandomState(seed)
     n = 6
     return [(rng.normal(size=(n, 3, IMAGE, IMAGE)).astype("float32"),
@@ -41,7 +41,7 @@ def global_batches(world, seed=1):
 
 
 def full_classifier(seed=2):
-    from engine_common import CLASSES
+    from trainer_common import CLASSES
     return np.random.RandomState(seed).normal(0, 0.1, (CLASSES, 32)).astype("float32")
 
 
@@ -151,7 +151,7 @@ def gather_head(trainer, name):
 
 def run(mode, data, out, dtype, resumes, config_backbone=False):
     import paddle
-    from engine_common import config, make_backbone
+    from trainer_common import config, make_backbone
     from plsc.distributed import get_rank, get_world_size, init
     from plsc.train import Trainer
 

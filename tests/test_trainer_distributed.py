@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from engine_common import make_data
+from trainer_common import make_data
 from oracles import rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -13,15 +13,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory, run_ranks):
-    """`group(key, nprocs, mode, *args)`: engine_ranks.py run once per `key` (extra `args`
+    """`group(key, nprocs, mode, *args)`: trainer_ranks.py run once per `key` (extra `args`
     passed on); (its out dir, rank 0's report)."""
     runs = {}
 
     def run(key, nprocs, mode, *args):
         if key not in runs:
-            data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
+            data = make_data(str(tmp_path_factory.getbasetemp() / "trainer_data"))
             out = str(tmp_path_factory.mktemp(key))
-            done = run_ranks(os.path.join(HERE, "engine_ranks.py"), nprocs,
+            done = run_ranks(os.path.join(HERE, "trainer_ranks.py"), nprocs,
                              ["--mode", mode, "--data", data, "--out", out, *args], cwd=out,
                              timeout=600)
             assert done.status == 0 and done.reports[0], f"{key} failed:\n{done.tail()}"
@@ -72,7 +72,7 @@ def test_k_ranks_equal_one_process(world_size, group):
     assert set(single) == set(multi)
     for key in set(single) - {"overlap_equal"}:  # (the next test's)
         assert rel_err(multi[key], single[key]) < 1e-5, (key, rel_err(multi[key], single[key]))
-    from engine_ranks import full_classifier
+    from trainer_ranks import full_classifier
     assert rel_err(single["head"], full_classifier()) > 1e-3  # the steps did move the classifier
 
 
@@ -147,7 +147,7 @@ def _free_port():
 
 def test_two_node_launch_on_loopback(tmp_path_factory, run_ranks):
     """Two `paddle.distributed.launch --nnodes 2` processes, one rank each, train and agree."""
-    data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
+    data = make_data(str(tmp_path_factory.getbasetemp() / "trainer_data"))
     out = str(tmp_path_factory.mktemp("two_nodes"))
     port = _free_port()
     groups = [run_ranks(os.path.join(HERE, "two_node_worker.py"), 1, [data, out], cwd=out,
