@@ -1,4 +1,5 @@
-"""The suite's one way to run a script on N ranks: the `run_ranks` fixture.
+"""The suite's shared fixtures: `run_ranks`, the one way to run a script on N ranks, and
+`kernels`, the head's two kernel sets.
 
     finished = run_ranks(script, 2, [args...], cwd=str(tmp_path))
     assert finished.status == 0, finished.tail()
@@ -167,3 +168,13 @@ def run_ranks(script, nranks, args=(), *, cwd, env=None, launch_args=(), launche
 def run_ranks_fixture():
     """`run_ranks(script, nranks, args, cwd=..., env=..., timeout=...)`: see conftest.py."""
     return run_ranks
+
+
+@pytest.fixture(params=("cpu", "device"))
+def kernels(request, monkeypatch):
+    """The kernel set the test runs on: "cpu" (numpy kernels on CPU tensors) or "device"
+    (`PLSC_KERNELS=device`: Paddle ops only, what a GPU runs; `plsc.cpu_kernels.cpu_set`).
+    `pytestmark = pytest.mark.usefixtures("kernels")` runs every test of a module on both."""
+    from plsc.cpu_kernels import KERNELS_ENV
+    monkeypatch.setenv(KERNELS_ENV, "device" if request.param == "device" else "auto")
+    return request.param

@@ -15,7 +15,6 @@ from oracles import (ADA_CLAMP_STATS, AdaFaceOracle, adaface_clamp_hits, compare
                      dense_reference, make_adaface_case, make_case, make_subcenter_case,
                      finite_difference_grads, oracle_reference, rel_err, row_rel_err)
 from plsc.loss import ArcFace, CombinedMargin, CosFace
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

@@ -17,7 +17,6 @@ from plsc.loss import ArcFace, CosFace, Softmax
 from plsc.nn import PartialFC
 from plsc.nn.parallel_softmax import filter_bound, parallel_softmax_cross_entropy
 from test_head_single import run_head
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

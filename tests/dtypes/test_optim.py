@@ -8,7 +8,8 @@ import pytest
 
 from plsc.optim import SparseAdamW, SparseMomentum
 from dtypes.test_rounding import neighbours, rne
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 DTYPES = ["bfloat16", "float16"]
 N, D = 40, 6

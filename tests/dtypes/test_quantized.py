@@ -15,7 +15,8 @@ from plsc.optim.rounding import uniform_noise
 from plsc.quantized import Int8Rows, dequantize, quantize
 from plsc.storage import name as storage_name, read as rows_f32
 from plsc.nn.parallel_softmax import parallel_softmax_cross_entropy
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 
 def rows(n=64, d=48, seed=0, positive=False):

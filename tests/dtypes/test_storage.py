@@ -8,7 +8,8 @@ import pytest
 from plsc import storage
 from plsc.quantized import Int8Rows, dequantize
 from dtypes.test_rounding import rne
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 N, D = 50, 8
 
@@ -89,9 +90,9 @@ def test_put_stores_values_already_in_the_storage_as_they_are(dtype):
                     keep=paddle.to_tensor(True))
 
 
-def test_slab_rows_from_the_budget_of_the_kernel_set(both_kernel_sets):
+def test_slab_rows_from_the_budget_of_the_kernel_set(kernels):
     t = paddle.zeros([4, 512])
-    expected = (32 << 20) // 2048 if both_kernel_sets == "cpu" else (256 << 20) // 2048
+    expected = (32 << 20) // 2048 if kernels == "cpu" else (256 << 20) // 2048
     assert storage.slab_rows(512, t) == expected
     assert storage.slab_rows(512, t, budget=4096) == 2
     assert storage.slab_rows(10 ** 9, t) == 1
