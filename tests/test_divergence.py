@@ -12,8 +12,8 @@ import paddle
 import pytest
 from paddle import nn
 
-from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config, head_bits,
-                           make_backbone, make_data)
+from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config,
+                            head_bits, make_backbone, make_data)
 from plsc.config import dump_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler

@@ -25,8 +25,8 @@ ENV_PROTOBUF = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}  # what etcd
 
 
 def _etcd3_importable():
-    return subprocess.run([sys.executable, "-c", "import etcd3"], env=dict(os.environ, **ENV_PROTOBUF),
-                          capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", "import etcd3"],
+                          env=dict(os.environ, **ENV_PROTOBUF), capture_output=True).returncode == 0
 
 
 MISSING = [what for what, ok in (("the etcd server (etcd-server)", shutil.which("etcd") is not None),

@@ -1,4 +1,4 @@
-"""The engine on real gloo ranks: k ranks equal one process; resume on another world size."""
+"""The trainer on real gloo ranks: k ranks equal one process; resume on another world size."""
 import json
 import os
 

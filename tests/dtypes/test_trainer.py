@@ -10,8 +10,8 @@ import pytest
 import yaml
 from paddle import nn
 
-from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config, head_bits,
-                           make_backbone, make_data)
+from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config,
+                            head_bits, make_backbone, make_data)
 from plsc.config import ConfigError, load_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
