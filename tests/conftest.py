@@ -74,9 +74,9 @@ class RankEnd:
 
 @dataclass
 class Finished:
-    """A group's end. `status`, `output`: the launcher's (or the one plain process's) exit
-    status and stdout + stderr; with `launcher=False`, rank 0's. `logs[r]`: rank r's output.
-    `reports[r]`: rank r's report or None. `ranks[r]`: rank r's end (`launcher=False` only)."""
+    """A group's end. `status`, `output`: the launcher's exit status and stdout + stderr (no
+    launcher: rank 0's). `logs[r]`: rank r's output. `reports[r]`: rank r's report or None.
+    `ranks[r]`: rank r's end, apart (no launcher only)."""
     status: int
     output: str
     logs: list
@@ -125,8 +125,7 @@ class RankGroup:
         reports = rank_report.read(self.report_dir, self.nranks)
         if self.log_dir is None:  # plain processes: their own streams
             logs = [e.out + e.err for e in ends]
-            ranks = ends if len(ends) > 1 else []
-            return Finished(ends[0].status, logs[0], logs, reports, ranks)
+            return Finished(ends[0].status, logs[0], logs, reports, ends)
         logs = [self.log(r) for r in range(max(self.nranks, len(reports)))]
         return Finished(ends[0].status, ends[0].out, logs, reports)
 

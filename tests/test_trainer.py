@@ -1,4 +1,4 @@
-"""The trainer (plsc.train) in one process: resume, checkpoint safety, skipped steps, config errors."""
+"""The trainer in one process: resume, checkpoint safety, skipped steps, config errors."""
 import os
 import signal
 import subprocess
