@@ -20,7 +20,6 @@ from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_chec
 from plsc.fileio import AtomicWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 LIMIT = 150  # seconds before a subprocess is killed (SIGKILL): a hang fails, never stalls
 
 

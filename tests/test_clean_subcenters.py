@@ -2,7 +2,6 @@
 labels deliberately wrong, then the cleaning tool (1 process and 2 launched ranks), checked
 against the known mislabeled set and against an independent numpy computation; the K = 1
 checkpoint it writes resumes with tools/train.py."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from plsc.config import dump_config, validate
 from plsc.data.synthetic import make_prototype, make_template, render_sample
 from plsc.train import Trainer
@@ -194,9 +194,7 @@ def test_recordio_source_writes_keys_and_a_cleaned_rec(trained, tmp_path):
     and a cleaned rec with exactly the kept images and labels."""
     from plsc.data import RecordIODataset
     from plsc.apps.cleaning import clean_subcenters
-    spec = importlib.util.spec_from_file_location("pack_rec", os.path.join(ROOT, "tools", "pack_rec.py"))
-    pack_rec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pack_rec)
+    pack_rec = scripts.load("tools/pack_rec.py")
     rec = str(tmp_path / "rec")
     pack_rec.pack(trained["list"], rec, verify=False)
     cfg = run_config(rec, str(trained["base"] / "run"), Data={"dataset": "recordio", "root": rec})
@@ -225,9 +223,7 @@ def test_recordio_source_writes_keys_and_a_cleaned_rec(trained, tmp_path):
     (["--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
 ])
 def test_bad_arguments_are_named(trained, args, message, capsys):
-    spec = importlib.util.spec_from_file_location("clean_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts.load(TOOL)
     assert module.main(["-c", trained["yaml"]] + args) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -236,9 +232,7 @@ def test_bad_arguments_are_named(trained, args, message, capsys):
 def test_k1_checkpoint_has_nothing_to_clean(trained, tmp_path, capsys):
     from plsc.checkpoint import write_k1_checkpoint
     k1 = write_k1_checkpoint(trained["ckpt"], str(tmp_path / "k1"), np.zeros(CLASSES, np.int64))
-    spec = importlib.util.spec_from_file_location("clean_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts.load(TOOL)
     assert module.main(["-c", trained["yaml"], "--checkpoint", k1]) == 2
     err = capsys.readouterr().err
     assert "sub_centers=1" in err and "nothing to clean" in err and k1 in err

@@ -6,7 +6,6 @@ after a time limit, so a hang fails here instead of stalling the suite."""
 import errno
 import fcntl
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import time
 import pytest
 import yaml
 
+import scripts
 from face_folders import write_faces
 from plsc.checkpoint import verify_checkpoint
 from plsc.checkpoint import lock as folder_lock
@@ -85,10 +85,7 @@ def step_lines(text):
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(f"tools/{name}.py")
 
 
 @pytest.fixture(scope="module")

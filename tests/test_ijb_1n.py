@@ -2,7 +2,6 @@
 figures against brute-force oracles (exact ties: features whose scores are exact in float32),
 and tools/eval_ijb.py --protocol 1n on a synthetic layout with saved features."""
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -11,6 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+import scripts
 from ijb_layout import make_layout
 from plsc.data.synthetic import write_ijb_1n_lists
 from plsc.metrics import template_features
@@ -134,10 +134,7 @@ def _read_csv(path):
 
 
 def _tool(argv):
-    spec = importlib.util.spec_from_file_location("eval_ijb_tool_1n", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return scripts.load(TOOL).main(argv)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """tools/eval_ijb.py and plsc.apps.ijb on a small synthetic IJB layout: result files, the
 features round trip, options, errors, two launched ranks against one process, and the
 training log's ROC image."""
-import importlib.util
 import json
 import os
 
@@ -10,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from trainer_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
@@ -51,10 +51,7 @@ def single(setup):
 
 
 def _tool_main(argv):
-    spec = importlib.util.spec_from_file_location("eval_ijb_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return scripts.load(TOOL).main(argv)
 
 
 def test_features_are_the_flip_summed_embeddings_of_aligned_faces(setup, single):

@@ -3,7 +3,6 @@ by paddle2onnx gives, through onnxruntime, the embeddings of the same weights ru
 the same verification accuracy, extraction and IJB TAR@FAR; the input conventions (RGB/BGR,
 normalised/0..255) are converted to what the file expects; a fixed batch dimension is fed
 image by image; without onnxruntime, --onnx is a one-line error."""
-import importlib.util
 import os
 import sys
 
@@ -11,6 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from trainer_common import IMAGE, config, make_data
 from ijb_layout import make_layout
 from oracles import rel_err
@@ -31,10 +31,7 @@ ACC_TOL = 1e-3  # accuracy and TAR (the issue's acceptance): one pair of 40 is 0
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", os.path.join(TOOLS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return scripts.load(f"tools/{name}.py").main
 
 
 def _with_input(src, dst, new_name, prefix_nodes):
