@@ -395,15 +395,14 @@ def test_cpu_numpy_path_gives_the_paddle_ops_bits(name, monkeypatch):
         np.testing.assert_array_equal(v1.numpy(), dequantize(c2, s2, name).numpy())
 
 
-def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys, monkeypatch):
+def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys):
     """`tools/reshard.py CKPT --dtype float32`: every 8-bit array becomes its float32 values
     (this file's oracle), float32 counters stay, the stored config names the new dtype, and
     the result verifies against its manifest."""
     import json
-    import os
     import plsc.checkpoint as ckpt
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
-    import reshard
+    import scripts
+    reshard = scripts.load("tools/reshard.py")
     from dtypes.test_checkpoint import C, D, write_checkpoint
     x, m2 = rows(n=C, d=D, seed=12), rows(n=C, d=D, seed=13, positive=True)
     steps = np.arange(C, dtype=np.float32)
