@@ -64,8 +64,8 @@ def _launcher_env(nranks):
 
 @dataclass
 class RankEnd:
-    """How one rank started with `launcher=False` ended (`ended`: time.time() then, or a
-    little later)."""
+    """How one process of a group ended, the launcher or a rank started without one
+    (`ended`: time.time() then, or a little later)."""
     status: int
     out: str
     err: str
@@ -104,13 +104,15 @@ class RankGroup:
 
     def log(self, rank):
         """Rank `rank`'s log so far ('' before it has one; launched groups only)."""
-        path = os.path.join(self.log_dir or "", f"workerlog.{rank}")
-        if not self.log_dir or not os.path.isfile(path):
+        path = self.log_dir and os.path.join(self.log_dir, f"workerlog.{rank}")
+        if not path or not os.path.isfile(path):
             return ""
         with open(path, errors="replace") as f:
             return f.read()
 
     def wait(self):
+        """The group's `Finished` once every process has ended (a hang: killed, and the test
+        fails)."""
         ends = []
         for proc in self.procs:
             try:
