@@ -12,12 +12,9 @@ import errno
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-
-import plsc.checkpoint.manager as checkpoint  # noqa: E402
-import plsc.fileio as fileio  # noqa: E402
+import plsc.checkpoint.manager as checkpoint
+import plsc.fileio as fileio
+import scripts
 
 
 class _FullDisk:
@@ -46,6 +43,4 @@ if os.environ.get("FAULT_ENOSPC"):
 if os.environ.get("FAULT_NO_PRECHECK"):
     checkpoint._fits = lambda need, free: True
 
-import train  # noqa: E402
-
-sys.exit(train.main(sys.argv[1:]))
+sys.exit(scripts.load("tools/train.py").main(sys.argv[1:]))

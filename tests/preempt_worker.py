@@ -17,10 +17,8 @@ import signal
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from plsc import startup  # noqa: E402
+import scripts
+from plsc import startup
 
 startup.hold()  # as tools/train.py does, before Paddle is imported
 
@@ -80,7 +78,4 @@ elif at == "verify":
         return real_verify(*args, **kwargs)
     manager.verify_checkpoint = verify
 
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-import train  # noqa: E402
-
-sys.exit(train.main(sys.argv[4:]))
+sys.exit(scripts.load("tools/train.py").main(sys.argv[4:]))

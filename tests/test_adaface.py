@@ -7,13 +7,14 @@ import numpy as np
 import paddle
 import pytest
 
-from head_ranks import (check_adaface_clamps, check_adaface_steps, check_fused_vs_separate,
-                        fused_failures, run_head_step, set_adaface_stats, adaface_stats)
+from head_cases.adaface_subcenters import (adaface_stats, check_adaface_clamps,
+                                           check_adaface_steps, set_adaface_stats)
+from head_cases.common import run_head_step
+from head_cases.fused import check_fused_vs_separate, fused_failures
 from oracles import (ADA_CLAMP_STATS, AdaFaceOracle, adaface_clamp_hits, compare_oracle,
                      dense_reference, make_adaface_case, make_case, make_subcenter_case,
                      finite_difference_grads, oracle_reference, rel_err, row_rel_err)
 from plsc.loss import ArcFace, CombinedMargin, CosFace
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

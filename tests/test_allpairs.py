@@ -192,19 +192,17 @@ def test_tool_writes_the_result_and_rejects_bad_files(tmp_path):
     assert "TAR (%)" in proc.stdout
 
 
-def test_two_launched_ranks_share_the_blocks(tmp_path):
+def test_two_launched_ranks_share_the_blocks(tmp_path, run_ranks):
     """RankComm over Paddle's collectives: two ranks give the brute-force figures."""
     x, labels = exact_set(1200, 100, seed=4)
     np.save(tmp_path / "emb.npy", x.astype(np.float32))
     np.save(tmp_path / "emb_labels.npy", labels)
     cfg = os.path.join(os.path.dirname(HERE), "configs", "demo.yaml")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), TOOL, "-c", cfg, "-o", f"Global.output_dir={tmp_path / 'out'}",
-           "--embeddings", str(tmp_path / "emb.npy"), "--no-normalize", "--block-mb", "1",
-           "--far", "1e-6", "--far", "1e-4", "--far", "1e-2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
-    logs = "".join(open(tmp_path / "log" / f).read() for f in sorted(os.listdir(tmp_path / "log")))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs[-3000:]
+    done = run_ranks(TOOL, 2, ["-c", cfg, "-o", f"Global.output_dir={tmp_path / 'out'}",
+                               "--embeddings", str(tmp_path / "emb.npy"), "--no-normalize",
+                               "--block-mb", "1", "--far", "1e-6", "--far", "1e-4", "--far", "1e-2"],
+                     cwd=str(tmp_path), timeout=240)
+    assert done.status == 0, done.tail()
     saved = json.load(open(tmp_path / "out" / "allpairs_result.json"))
     expect = brute(x, labels, [1e-6, 1e-4, 1e-2])[0]
     assert saved["world_size"] == 2

@@ -3,15 +3,13 @@ arcface_torch's layout (the class split of its partial_fc_v2.py, torch SGD's opt
 written with plsc's torch-format writer, become a plsc checkpoint that 2 gloo ranks resume and
 train on. The expected rows come from the arrays the test wrote, in arcface_torch's split."""
 import os
-import subprocess
-import sys
 from collections import OrderedDict
 
 import numpy as np
 import paddle
 import pytest
 
-from engine_common import CLASSES, config, make_data
+from trainer_common import CLASSES, config, make_data
 from plsc import torchfile
 from plsc.checkpoint import load_head_rows, read_meta
 from plsc.checkpoint.arcface_torch import _centres, arcface_torch_files, import_arcface_torch
@@ -50,7 +48,7 @@ def write_checkpoints(folder, backbone_state, centres, head_v, backbone_v):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """(data root, the arcface_torch folder, the imported checkpoint, the arrays written)."""
-    data = make_data(str(tmp_path_factory.getbasetemp() / "engine_data"))
+    data = make_data(str(tmp_path_factory.getbasetemp() / "trainer_data"))
     folder = str(tmp_path_factory.mktemp("arcface_torch"))
     cfg = config(data, str(tmp_path_factory.mktemp("plsc")))
     paddle.seed(11)
@@ -100,16 +98,16 @@ def test_import_writes_every_class_its_momentum_and_the_step(imported):
     assert not imported["notes"]
 
 
-def test_two_ranks_resume_the_imported_run_and_train_on(imported):
+def test_two_ranks_resume_the_imported_run_and_train_on(imported, run_ranks):
     """The 3-rank arcface_torch checkpoint, resumed on 2 plsc ranks: each rank holds its
     classes' rows and momentum, the step goes on from the file's, and training runs."""
     out = os.path.dirname(os.path.dirname(imported["path"]))
-    cmd = [sys.executable, os.path.join(HERE, "engine_ranks.py"), "--nprocs", "2", "--mode",
-           "resume", "--data", imported["data"], "--out", out, "--config-backbone",
-           "--resume", f"at=float32:{imported['path']}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    got = dict(np.load(os.path.join(out, "result.npz")))
+    done = run_ranks(os.path.join(HERE, "trainer_ranks.py"), 2,
+                     ["--mode", "resume", "--data", imported["data"], "--out", out,
+                      "--config-backbone", "--resume", f"at=float32:{imported['path']}"],
+                     cwd=out, timeout=600)
+    assert done.status == 0 and done.reports[0], done.tail()
+    got = done.reports[0]
     assert int(got["at.step"]) == STEP and int(got["at.num_local"]) == CLASSES // 2
     np.testing.assert_array_equal(got["at.head"], imported["centres"])
     np.testing.assert_array_equal(got["at.velocity"], imported["head_v"])

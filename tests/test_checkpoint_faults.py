@@ -5,23 +5,21 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 
 import numpy as np
 import paddle
 import pytest
 import yaml
 
-from engine_common import CLASSES, IMAGE, config, make_data
+import scripts
+from trainer_common import CLASSES, IMAGE, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
                                     verify_checkpoint)
 from plsc.fileio import AtomicWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 LIMIT = 150  # seconds before a subprocess is killed (SIGKILL): a hang fails, never stalls
 
 
@@ -154,8 +152,7 @@ def test_cut_files_give_a_clear_error_even_unverified(tmp_path, data_root, prist
 
 
 def test_damaged_explicit_path_and_the_verify_tool(tmp_path, data_root, pristine, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import checkpoint as tool
+    tool = scripts.load("tools/checkpoint.py")
     out = copy_run(pristine, tmp_path)
     weight = os.path.join(step_dir(out, 6), "head_rank0", "weight.npy")
     assert tool.main(["verify", step_dir(out, 6)]) == 0
@@ -192,8 +189,7 @@ def test_checkpoint_without_manifest_gets_size_checks(tmp_path, data_root, prist
 
 def test_damaged_backbone_for_eval_and_reshard(tmp_path, data_root, pristine, capsys):
     from plsc.apps.tasks import trained_backbone
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import reshard
+    reshard = scripts.load("tools/reshard.py")
     out = copy_run(pristine, tmp_path)
     backbone = os.path.join(step_dir(out, 6), "backbone.pdparams")
     truncate(backbone)
@@ -248,19 +244,6 @@ def write_config(path, data_root, out, max_steps, **sections):
     return path
 
 
-def run_limited(cmd, env=None, cwd=None):
-    """(exit status, stdout+stderr) of `cmd`; its process group is killed (SIGKILL) at LIMIT."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, **(env or {})), cwd=cwd, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{cmd[2:4]}: killed after {LIMIT} s (a hang?)")
-    return proc.returncode, out
-
-
 def plsc_lines(text):
     return [line for line in text.splitlines() if line.startswith("plsc: ")]
 
@@ -280,20 +263,23 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
-def test_full_disk_stops_with_one_line_and_status_74(tmp_path, data_root, small_disk):
+def test_full_disk_stops_with_one_line_and_status_74(tmp_path, data_root, small_disk, run_ranks):
     if small_disk is None:
         pytest.skip("cannot mount a tmpfs here (the simulated ENOSPC test still runs)")
     out = os.path.join(small_disk, "out")
     cfg = write_config(str(tmp_path / "c.yaml"), data_root, out, 6)
-    worker = [sys.executable, os.path.join(HERE, "fault_worker.py"), "-c", cfg]
-    code, text = run_limited(worker)  # the check before writing stops it
+    worker = os.path.join(HERE, "fault_worker.py")
+    done = run_ranks(worker, 1, ["-c", cfg], cwd=str(tmp_path), timeout=LIMIT)
+    code, text = done.status, done.output  # the check before writing stops it
     assert code == IO_ERROR_EXIT_CODE, text[-3000:]
     (line,) = plsc_lines(text)
     assert line.startswith("plsc: checkpoint step 6 not written: it needs 2.") and " MB free; " in line
     assert line.endswith(f"the previous checkpoint (step 3, {step_dir(out, 3)}) is intact")
     assert "Traceback" not in text
     # Without the check the disk fills in the middle of a write: the same kind of line.
-    code, text = run_limited(worker, env={"FAULT_NO_PRECHECK": "1"})
+    done = run_ranks(worker, 1, ["-c", cfg], cwd=str(tmp_path), env={"FAULT_NO_PRECHECK": "1"},
+                     timeout=LIMIT)
+    code, text = done.status, done.output
     assert code == IO_ERROR_EXIT_CODE, text[-3000:]
     (line,) = plsc_lines(text)
     assert line.startswith(f"plsc: checkpoint step 6 not written: rank 0 could not write "
@@ -303,7 +289,7 @@ def test_full_disk_stops_with_one_line_and_status_74(tmp_path, data_root, small_
     verify_checkpoint(step_dir(out, 3), "full")
 
 
-def test_two_ranks_agree_on_fallback_and_on_a_failed_save(tmp_path, data_root, pristine):
+def test_two_ranks_agree_on_fallback_and_on_a_failed_save(tmp_path, data_root, pristine, run_ranks):
     """2 launched ranks: a flipped byte in rank 1's shard of the newest checkpoint makes both
     resume from the older one; a full disk on rank 1 alone makes both exit 74 with the same
     line, no rank left waiting."""
@@ -313,13 +299,10 @@ def test_two_ranks_agree_on_fallback_and_on_a_failed_save(tmp_path, data_root, p
     damaged = os.path.join(step_dir(out, 6), "head_rank1", "weight.npy")
     flip(damaged)
     cfg = write_config(str(tmp_path / "c.yaml"), data_root, out, 9)
-    logs = str(tmp_path / "logs")
-    code, text = run_limited(
-        [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-         logs, os.path.join(HERE, "fault_worker.py"), "-c", cfg],
-        env={"FAULT_ENOSPC": "1:step_00000009"}, cwd=str(tmp_path))
-    ranks = [open(os.path.join(logs, f"workerlog.{r}")).read() for r in (0, 1)]
-    assert code == IO_ERROR_EXIT_CODE, text[-2000:] + ranks[0][-2000:] + ranks[1][-2000:]
+    done = run_ranks(os.path.join(HERE, "fault_worker.py"), 2, ["-c", cfg], cwd=str(tmp_path),
+                     env={"FAULT_ENOSPC": "1:step_00000009"}, timeout=LIMIT)
+    ranks = done.logs
+    assert done.status == IO_ERROR_EXIT_CODE, done.tail(2000)
     assert f"damaged checkpoint file {damaged}: CRC-32" in ranks[0]
     assert f"resumed from {step_dir(out, 3)} at step 3" in ranks[0]
     lines = [plsc_lines(t)[-1] for t in ranks]

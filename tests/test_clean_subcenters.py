@@ -2,7 +2,6 @@
 labels deliberately wrong, then the cleaning tool (1 process and 2 launched ranks), checked
 against the known mislabeled set and against an independent numpy computation; the K = 1
 checkpoint it writes resumes with tools/train.py."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from plsc.config import dump_config, validate
 from plsc.data.synthetic import make_prototype, make_template, render_sample
 from plsc.train import Trainer
@@ -85,15 +85,6 @@ def trained(tmp_path_factory):
                       for i in range(len(labels))]}
 
 
-def tool(*args, launch=0, cwd=None):
-    cmd = [sys.executable]
-    if launch:
-        cmd += ["-m", "paddle.distributed.launch", "--nproc_per_node", str(launch),
-                "--log_dir", os.path.join(cwd, "launch_log")]
-    return subprocess.run(cmd + [TOOL] + list(args), capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
-
-
 def read_list(path):
     """[(name, label, angle or None)] of a list file, comments skipped."""
     rows = []
@@ -130,18 +121,16 @@ def oracle(trained, model=None, weight=None):
     return weight, dominant, angles
 
 
-def test_cleaning_drops_mislabeled_keeps_clean_and_ranks_agree(trained):
+def test_cleaning_drops_mislabeled_keeps_clean_and_ranks_agree(trained, run_ranks):
     base = str(trained["base"])
     out1, out2 = os.path.join(base, "clean1"), os.path.join(base, "clean2")
-    one = tool("-c", trained["yaml"], "--checkpoint", "latest", "--out", out1,
-               "-o", "Logging.visualdl=true", cwd=base)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert "samples: kept" in one.stdout
-    two = tool("-c", trained["yaml"], "--out", out2, "-o", "Global.checkpoint=latest", launch=2,
-               cwd=base)
-    logs = "".join(open(os.path.join(base, "launch_log", f)).read()
-                   for f in sorted(os.listdir(os.path.join(base, "launch_log"))))
-    assert two.returncode == 0, two.stderr[-2000:] + logs[-3000:]
+    one = run_ranks(TOOL, 1, ["-c", trained["yaml"], "--checkpoint", "latest", "--out", out1,
+                              "-o", "Logging.visualdl=true"], cwd=base)
+    assert one.status == 0, one.tail()
+    assert "samples: kept" in one.output
+    two = run_ranks(TOOL, 2, ["-c", trained["yaml"], "--out", out2,
+                              "-o", "Global.checkpoint=latest"], cwd=base)
+    assert two.status == 0, two.tail()
 
     kept1, kept2 = read_list(os.path.join(out1, "train_clean.lst")), \
         read_list(os.path.join(out2, "train_clean.lst"))
@@ -205,9 +194,7 @@ def test_recordio_source_writes_keys_and_a_cleaned_rec(trained, tmp_path):
     and a cleaned rec with exactly the kept images and labels."""
     from plsc.data import RecordIODataset
     from plsc.apps.cleaning import clean_subcenters
-    spec = importlib.util.spec_from_file_location("pack_rec", os.path.join(ROOT, "tools", "pack_rec.py"))
-    pack_rec = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pack_rec)
+    pack_rec = scripts.load("tools/pack_rec.py")
     rec = str(tmp_path / "rec")
     pack_rec.pack(trained["list"], rec, verify=False)
     cfg = run_config(rec, str(trained["base"] / "run"), Data={"dataset": "recordio", "root": rec})
@@ -236,9 +223,7 @@ def test_recordio_source_writes_keys_and_a_cleaned_rec(trained, tmp_path):
     (["--checkpoint", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
 ])
 def test_bad_arguments_are_named(trained, args, message, capsys):
-    spec = importlib.util.spec_from_file_location("clean_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts.load(TOOL)
     assert module.main(["-c", trained["yaml"]] + args) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -247,9 +232,7 @@ def test_bad_arguments_are_named(trained, args, message, capsys):
 def test_k1_checkpoint_has_nothing_to_clean(trained, tmp_path, capsys):
     from plsc.checkpoint import write_k1_checkpoint
     k1 = write_k1_checkpoint(trained["ckpt"], str(tmp_path / "k1"), np.zeros(CLASSES, np.int64))
-    spec = importlib.util.spec_from_file_location("clean_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = scripts.load(TOOL)
     assert module.main(["-c", trained["yaml"], "--checkpoint", k1]) == 2
     err = capsys.readouterr().err
     assert "sub_centers=1" in err and "nothing to clean" in err and k1 in err

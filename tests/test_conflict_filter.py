@@ -10,14 +10,13 @@ import numpy as np
 import paddle
 import pytest
 
-from head_ranks import FILTER_THRESHOLD, check_filtered
+from head_cases.filtering import FILTER_THRESHOLD, check_filtered
 from oracles import compare_oracle, filtered_mask, oracle_reference, published_margin
 from plsc.config import ConfigError, load_config, validate
 from plsc.loss import ArcFace, CosFace, Softmax
 from plsc.nn import PartialFC
 from plsc.nn.parallel_softmax import filter_bound, parallel_softmax_cross_entropy
 from test_head_single import run_head
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
@@ -100,7 +99,7 @@ def test_borderline_cosine_is_compared_in_float32(chunk):
 def test_head_matches_filtered_oracle(name, shape):
     """Loss, embedding and (sampled) weight gradients within the float32 tolerance of the
     oracle, on data with filtered entries, targets above the threshold, and a filter effect
-    100 times the tolerance (see head_ranks.check_filtered)."""
+    100 times the tolerance (see head_cases/filtering.py)."""
     ratio, chunk = SHAPES[shape]
     assert_errs(check_filtered(name, 23 if ratio == 1.0 else 101, ratio, chunk, n=12))
 
@@ -173,7 +172,8 @@ def test_bfloat16_centres(ratio, chunk):
     """bfloat16 centres with filtering against the oracle on the rounded centres (the logits
     and the filter are float32 either way)."""
     from oracles import make_conflict_case
-    from head_ranks import _restricted, rounded, run_head_step
+    from head_cases.common import restricted, run_head_step
+    from head_cases.dtypes import rounded
     x, y, w = make_conflict_case(seed=4, n=12, d=16, num_classes=23, threshold=FILTER_THRESHOLD)
     w = rounded(w, "bfloat16")
     margin = published_margin("ArcFace")
@@ -184,7 +184,7 @@ def test_bfloat16_centres(ratio, chunk):
     assert head.weight.dtype == paddle.bfloat16
     if ratio == 1.0:  # one process: the whole gradient, stored by Paddle as bfloat16
         got["dw"] = head.weight.grad.astype("float32").numpy()
-    remapped, w_used = _restricted(used, y, w, 1)
+    remapped, w_used = restricted(used, y, w, 1)
     errs = compare_oracle(got, x, remapped, w_used, margin, filter_threshold=FILTER_THRESHOLD)
     if ratio == 1.0:  # the dense weight gradient is stored in bfloat16: half an ulp off
         errs["dw"] = (errs["dw"][0], errs["dw"][1] + 2.0 ** -8)
@@ -195,7 +195,7 @@ def test_bfloat16_centres(ratio, chunk):
 def test_fused_update_equals_separate(ratio, chunk, dtype):
     """The optimizer inside the backward == backward then step, bit for bit, with filtering
     (random centres and embeddings: at t = 0.1 about a third of the entries are filtered)."""
-    from head_ranks import check_fused_vs_separate, fused_failures
+    from head_cases.fused import check_fused_vs_separate, fused_failures
     result = check_fused_vs_separate("momentum", published_margin("ArcFace"), 101, ratio, chunk,
                                      dtype, head_kw={"interclass_filtering_threshold": 0.1})
     assert not fused_failures(result), fused_failures(result)
@@ -267,7 +267,7 @@ def test_wf12m_conflict_config_is_arcface_torchs_recipe():
 
 
 def test_trainer_builds_the_head_with_the_threshold(tmp_path):
-    from engine_common import config, make_backbone, make_data
+    from trainer_common import config, make_backbone, make_data
     from plsc.train import Trainer
     root = make_data(str(tmp_path / "data"))
     cfg = config(root, str(tmp_path / "out"),

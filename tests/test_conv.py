@@ -10,7 +10,6 @@ import pytest
 
 from plsc import onednn
 from plsc.models.conv import Conv2D, takes_onednn
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 CASES = [
     # in, out, kernel, stride, padding, groups, dilation, bias, height, width

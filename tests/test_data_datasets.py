@@ -1,5 +1,4 @@
 """Image folder, list file and RecordIO datasets agree; pack_rec; DataLoader workers."""
-import importlib.util
 import os
 
 import cv2
@@ -7,13 +6,11 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from plsc.data import DataError, ImageFolderDataset, ImageListDataset, RecordIODataset, RecordIOReader
 from plsc.data import irheader
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("pack_rec", os.path.join(ROOT, "tools", "pack_rec.py"))
-pack_rec = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pack_rec)
+pack_rec = scripts.load("tools/pack_rec.py")
 
 
 @pytest.fixture

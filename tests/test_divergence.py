@@ -12,8 +12,8 @@ import paddle
 import pytest
 from paddle import nn
 
-from engine_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config, head_bits,
-                           make_backbone, make_data)
+from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config,
+                            head_bits, make_backbone, make_data)
 from plsc.config import dump_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
@@ -197,7 +197,7 @@ def test_an_overflowing_update_is_not_saved(tmp_path, data_root):
 
 
 def _folder_config(tmp_path, data_root):
-    """engine_common's config as a YAML file for tools/train.py: 8 steps of 8 images,
+    """trainer_common's config as a YAML file for tools/train.py: 8 steps of 8 images,
     a checkpoint every 2, resumed by itself (Global.checkpoint: auto)."""
     cfg = config(data_root, str(tmp_path / "out"), Global={"max_steps": 8, "checkpoint": "auto"},
                  Data={"batch_size": 8}, Checkpoint={"interval": 2})

@@ -18,16 +18,15 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 
-from test_preemption import HERE, finish, final_state, launch, write_config, worker_logs
+from test_preemption import final_state, launch
 
-ENV = dict(os.environ, PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="python")
+ENV_PROTOBUF = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}  # what etcd3 needs
 
 
 def _etcd3_importable():
-    return subprocess.run([sys.executable, "-c", "import etcd3"], env=ENV,
-                          capture_output=True).returncode == 0
+    return subprocess.run([sys.executable, "-c", "import etcd3"],
+                          env=dict(os.environ, **ENV_PROTOBUF), capture_output=True).returncode == 0
 
 
 MISSING = [what for what, ok in (("the etcd server (etcd-server)", shutil.which("etcd") is not None),
@@ -70,39 +69,29 @@ def etcd(tmp_path):
 
 @pytest.fixture
 def data_root(tmp_path_factory):
-    from engine_common import make_data
+    from trainer_common import make_data
     return make_data(str(tmp_path_factory.mktemp("synthetic")))
 
 
-def test_killed_rank_is_restarted_and_the_run_finishes_exactly(tmp_path, data_root, etcd):
+def test_killed_rank_is_restarted_and_the_run_finishes_exactly(tmp_path, data_root, etcd,
+                                                               run_ranks):
     plain = tmp_path / "plain"
     plain.mkdir()
-    proc, _ = launch(plain, "run", data_root)
-    code, out = finish(proc, "uninterrupted run")
-    assert code == 0, out[-3000:]
+    done = launch(run_ranks, plain, data_root)
+    assert done.status == 0, done.tail()
     expected = final_state(str(plain / "out"))
 
     run = tmp_path / "elastic"
     run.mkdir()
-    cfg = write_config(str(run / "config.yaml"), data_root, str(run / "out"))
-    with open(cfg) as f:
-        raw = yaml.safe_load(f)
-    raw["Checkpoint"]["interval"] = 2  # the restart resumes from step 2
-    with open(cfg, "w") as f:
-        yaml.safe_dump(raw, f)
-    logs = str(run / "logs")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--master", etcd, "--nnodes", "1",
-           "--nproc_per_node", "2", "--elastic_level", "1", "--max_restart", "3",
-           "--job_id", f"plsc_{os.getpid()}", "--log_dir", logs,
-           os.path.join(HERE, "preempt_worker.py"), "1", "3", "0", "-c", cfg]
-    env = dict(ENV, PREEMPT_SIGNAL="KILL", PREEMPT_ONCE=str(run / "killed_once"))
-    proc = subprocess.Popen(cmd, cwd=str(run), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    code, out = finish(proc, "elastic run")
-    assert code == 0, out[-4000:]
+    done = launch(run_ranks, run, data_root, 1, 3, 0, interval=2,  # the restart resumes at 2
+                  launch_args=["--master", etcd, "--nnodes", "1", "--elastic_level", "1",
+                               "--max_restart", "3", "--job_id", f"plsc_{os.getpid()}"],
+                  env=dict(ENV_PROTOBUF, PREEMPT_SIGNAL="KILL",
+                           PREEMPT_ONCE=str(run / "killed_once")))
+    assert done.status == 0, done.tail(4000)
     assert os.path.exists(run / "killed_once"), "rank 1 was never killed"
-    assert "Pod failed" in out and "Pod completed" in out
-    log0 = worker_logs(logs)[0]  # both runs of rank 0, one after the other
+    assert "Pod failed" in done.output and "Pod completed" in done.output
+    log0 = done.logs[0]  # both runs of rank 0, one after the other
     assert "rank 1 stopped answering after step 3" in log0
     assert "resuming from" in log0 and "step_00000002 at step 2" in log0
     got = final_state(str(run / "out"))

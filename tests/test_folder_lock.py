@@ -6,7 +6,6 @@ after a time limit, so a hang fails here instead of stalling the suite."""
 import errno
 import fcntl
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import time
 import pytest
 import yaml
 
+import scripts
 from face_folders import write_faces
 from plsc.checkpoint import verify_checkpoint
 from plsc.checkpoint import lock as folder_lock
@@ -27,7 +27,7 @@ from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, claim_folder
 from plsc.config import dump_config
 from plsc.fileio import TEST_READ_ONLY_ENV
 from plsc.train import Trainer
-from engine_common import config, make_data
+from trainer_common import config, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -85,10 +85,7 @@ def step_lines(text):
 
 
 def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(f"tools/{name}.py")
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +362,7 @@ def test_second_job_is_refused_with_one_line_and_writes_nothing(tmp_path, faces)
     assert os.listdir(out) == [".plsc.lock"]  # no train.log, no config.yaml, no checkpoints
 
 
-def test_two_jobs_on_one_folder_the_second_stops_on_every_rank(tmp_path, faces):
+def test_two_jobs_on_one_folder_the_second_stops_on_every_rank(tmp_path, faces, run_ranks):
     """A job is running (paused by SIGSTOP after its first step, so it surely runs); the same
     command on 2 launched ranks stops on both with one line each, 73; the first job, resumed,
     trains to its end and its checkpoints verify."""
@@ -378,12 +375,10 @@ def test_two_jobs_on_one_folder_the_second_stops_on_every_rank(tmp_path, faces):
         reader.wait_for("step 1/100")
         first.send_signal(signal.SIGSTOP)
         assert first.poll() is None, "the first job ended before it could be paused"
-        logs = str(tmp_path / "logs")
-        code, text = run([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-                          "--log_dir", logs, TRAIN, "-c", cfg], str(tmp_path))
-        assert code == IN_USE, text[-3000:]
+        done = run_ranks(TRAIN, 2, ["-c", cfg], cwd=str(tmp_path), timeout=LIMIT)
+        assert done.status == IN_USE, done.tail()
         for rank in (0, 1):
-            log = open(os.path.join(logs, f"workerlog.{rank}")).read()
+            log = done.logs[rank]
             lines = error_lines(log)
             assert len(lines) == 1 and lines[0].startswith(
                 f"error: {out} is in use by another job (host {socket.gethostname()}, pid "

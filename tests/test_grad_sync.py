@@ -1,4 +1,4 @@
-"""The buckets of `OverlappedSum` (its sums on real ranks: test_engine_distributed.py)."""
+"""The buckets of `OverlappedSum` (its sums on real ranks: test_trainer_distributed.py)."""
 import paddle
 import pytest
 

@@ -2,9 +2,6 @@
 CPU: it agrees with the CPU set, launches a bounded number of ops (benchmarks/
 benchmark_launches.py's count), runs no numpy kernel, never makes a float32 copy of a wide
 narrow weight, and the seeded sampler's device branch restores both generators."""
-import os
-import sys
-
 import plsc  # noqa: F401  (before Paddle: it sets MKL's code path)
 import numpy as np
 import paddle
@@ -18,8 +15,9 @@ from plsc.nn import parallel_softmax as ps
 from plsc.nn import sampling
 from plsc.optim import SparseAdamW, SparseMomentum
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from benchmark_launches import count_ops  # noqa: E402
+from scripts import load
+
+count_ops = load("benchmarks/benchmark_launches.py").count_ops
 
 # The two sets compute the same float32 operations in a different order (numpy/MKL row
 # reductions in slabs of rows vs Paddle's reductions; MKL's vsExp vs Paddle's exp, both within

@@ -6,7 +6,6 @@ import pytest
 from oracles import compare, dense_reference, make_case, published_margin, rel_err
 from plsc.loss import ArcFace, CombinedMargin, CosFace, Softmax
 from plsc.nn import PartialFC
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

@@ -12,7 +12,7 @@ the numpy kernels' own views (`plsc/models/prelu.py`'s fast path runs only where
 import paddle
 import pytest
 
-from engine_common import config, make_data
+from trainer_common import config, make_data
 from host_reads import HostReads
 from plsc.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer

@@ -2,7 +2,6 @@
 figures against brute-force oracles (exact ties: features whose scores are exact in float32),
 and tools/eval_ijb.py --protocol 1n on a synthetic layout with saved features."""
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -11,6 +10,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+import scripts
 from ijb_layout import make_layout
 from plsc.data.synthetic import write_ijb_1n_lists
 from plsc.metrics import template_features
@@ -134,10 +134,7 @@ def _read_csv(path):
 
 
 def _tool(argv):
-    spec = importlib.util.spec_from_file_location("eval_ijb_tool_1n", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return scripts.load(TOOL).main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +227,7 @@ def test_from_images_equals_from_the_saved_features(layout, tmp_path):
     """The backbone path: features extracted (and saved) in the run give the figures that the
     saved features give again."""
     import paddle
-    from engine_common import config
+    from trainer_common import config
     from plsc.apps.ijb_1n import evaluate_ijb_1n
     from plsc.builders import build_backbone
     cfg = config(str(tmp_path / "unused"), str(tmp_path / "out"), Eval={"batch_size": 16},

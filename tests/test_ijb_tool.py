@@ -1,18 +1,16 @@
 """tools/eval_ijb.py and plsc.apps.ijb on a small synthetic IJB layout: result files, the
 features round trip, options, errors, two launched ranks against one process, and the
 training log's ROC image."""
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import cv2
 import numpy as np
 import paddle
 import pytest
 
-from engine_common import config
+import scripts
+from trainer_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
 from plsc.data import DataError, FaceTransform, align_face
@@ -53,10 +51,7 @@ def single(setup):
 
 
 def _tool_main(argv):
-    spec = importlib.util.spec_from_file_location("eval_ijb_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return scripts.load(TOOL).main(argv)
 
 
 def test_features_are_the_flip_summed_embeddings_of_aligned_faces(setup, single):
@@ -133,16 +128,15 @@ def test_bad_features_file_and_bad_layout_fail_in_one_line(setup, tmp_path, caps
         evaluate_ijb(setup["cfg"], setup["root"], "IJBC", features=bad)
 
 
-def test_two_launched_ranks_give_the_features_of_one_process(setup, single, tmp_path):
+def test_two_launched_ranks_give_the_features_of_one_process(setup, single, tmp_path, run_ranks):
     out = tmp_path / "launched"
     feats = str(tmp_path / "feats2.npy")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), TOOL, "-c", setup["yaml"], "--root", setup["root"], "--target", "IJBC",
-           "--save-features", feats, "-o", f"Global.output_dir={out}", "-o", "Data.num_workers=1",
-           "-o", "Eval.batch_size=8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    logs = "".join(open(os.path.join(tmp_path / "log", f)).read() for f in sorted(os.listdir(tmp_path / "log")))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs[-4000:]
+    done = run_ranks(TOOL, 2, ["-c", setup["yaml"], "--root", setup["root"], "--target", "IJBC",
+                               "--save-features", feats, "-o", f"Global.output_dir={out}",
+                               "-o", "Data.num_workers=1", "-o", "Eval.batch_size=8"],
+                     cwd=str(tmp_path))
+    assert done.status == 0, done.tail(4000)
+    logs = "".join(done.logs)
     np.testing.assert_allclose(np.load(feats), np.load(single["features"]), rtol=1e-5, atol=1e-5)
     saved = json.load(open(out / "ijbc_result.json"))
     assert saved["num_images"] == single["result"]["num_images"]
@@ -150,7 +144,7 @@ def test_two_launched_ranks_give_the_features_of_one_process(setup, single, tmp_
     assert "TAR (%)" in logs  # rank 0 printed the table
 
 
-def test_undecodable_image_in_one_ranks_share_stops_both(setup, tmp_path):
+def test_undecodable_image_in_one_ranks_share_stops_both(setup, tmp_path, run_ranks):
     """The last image (rank 1's share) is text: both ranks end with status 65, rank 1 naming the
     image, rank 0 naming rank 1; SIGKILLed after 120 s so that a hang fails here."""
     import shutil
@@ -160,14 +154,12 @@ def test_undecodable_image_in_one_ranks_share_stops_both(setup, tmp_path):
         last = f.read().split("\n")[-2].split()[0]
     with open(os.path.join(root, "loose_crop", last), "wb") as f:
         f.write(b"not a face")
-    logs = tmp_path / "log"
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(logs), TOOL, "-c", setup["yaml"], "--root", root, "--target", "IJBC",
-           "-o", f"Global.output_dir={tmp_path / 'out'}", "-o", "Data.num_workers=1",
-           "-o", "Eval.batch_size=8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    texts = [open(logs / f"workerlog.{r}").read() for r in range(2)]
-    assert proc.returncode == 65, proc.stdout[-2000:] + "".join(t[-2000:] for t in texts)
+    done = run_ranks(TOOL, 2, ["-c", setup["yaml"], "--root", root, "--target", "IJBC",
+                               "-o", f"Global.output_dir={tmp_path / 'out'}",
+                               "-o", "Data.num_workers=1", "-o", "Eval.batch_size=8"],
+                     cwd=str(tmp_path), timeout=120)
+    texts = done.logs
+    assert done.status == 65, done.tail(2000)
     lines = [[line for line in t.splitlines() if line.startswith("error:")] for t in texts]
     assert len(lines[1]) == 1 and last in lines[1][0] and "cannot decode" in lines[1][0], texts[1]
     assert lines[0] == ["error: rank 0: rank 1 stopped on a data error while loading its share of "
@@ -189,7 +181,7 @@ def test_training_log_writes_the_roc_image(tmp_path):
 
 def test_training_verification_logs_its_roc_image(tmp_path):
     from visualdl import LogReader
-    from engine_common import make_data
+    from trainer_common import make_data
     from plsc.train import Trainer
     data = make_data(str(tmp_path / "data"))
     cfg = config(data, str(tmp_path / "run"), Global={"max_steps": 2},

@@ -24,7 +24,6 @@ under paddle.LazyGuard: ViT-H has 756M weights); the values go through the whole
 mbf_large, vit_t, IResNetTiny and ViTDemo: the conversion code is the same for
 every size of a family, only the layout differs, and that is checked for all.
 """
-import importlib.util
 import os
 import re
 from collections import OrderedDict
@@ -34,6 +33,7 @@ import numpy as np
 import paddle
 import pytest
 
+import scripts
 from plsc import runtime, torchfile
 from plsc.config import ConfigError
 from plsc.models import build_model, from_insightface, to_insightface
@@ -484,7 +484,7 @@ def test_load_pretrained_reads_pt_and_pdparams(tmp_path):
 
 
 def test_trainer_and_tasks_start_from_an_arcface_torch_file(tmp_path):
-    from engine_common import IMAGE, config, make_data
+    from trainer_common import IMAGE, config, make_data
     from plsc.apps.tasks import trained_backbone
     from plsc.train import Trainer
     state = distinct_values(arcface_table("IResNetTiny", 32, (IMAGE, IMAGE)))
@@ -497,9 +497,7 @@ def test_trainer_and_tasks_start_from_an_arcface_torch_file(tmp_path):
 
 def _tool(capsys, *args):
     """tools/convert_weights.py's main in this process: (exit code, stdout, stderr)."""
-    spec = importlib.util.spec_from_file_location("convert_weights", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = scripts.load(TOOL)
     capsys.readouterr()
     code = tool.main([str(a) for a in args])
     out, err = capsys.readouterr()

@@ -8,7 +8,6 @@ import paddle.nn.functional as F
 import pytest
 
 from plsc.models.linear import Linear, takes_gemm_path
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 
 @pytest.mark.parametrize("shape,bias", [((7, 5), True), ((3, 11, 5), True), ((2, 3, 4, 5), False),

@@ -7,7 +7,6 @@ import pytest
 
 from oracles import PUBLISHED
 from plsc.loss import ArcFace, CombinedMargin, CosFace, Softmax, SphereFace, build_margin
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

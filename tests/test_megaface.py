@@ -142,19 +142,18 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(folder_pair, tmp_path
     folder_pair["single"] = first
 
 
-def test_two_launched_ranks_give_the_one_process_result(folder_pair, tmp_path):
+def test_two_launched_ranks_give_the_one_process_result(folder_pair, tmp_path, run_ranks):
     """Both ranks embed a share of the images and scan a share of the distractor blocks."""
     if "single" not in folder_pair:
         pytest.skip("needs the one-process run of the test above")
     made = folder_pair["made"]
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-           str(tmp_path / "log"), TOOL, "-c", CONFIG, "-o", f"Global.pretrained={folder_pair['weights']}",
-           "-o", f"Global.output_dir={tmp_path / 'out'}", "-o", "Eval.batch_size=8",
-           "--probes", made["probes"], "--distractors", made["distractors"], "--probe-noise",
-           made["probe_noise"], "--distractor-noise", made["distractor_noise"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
-    logs = "".join(open(tmp_path / "log" / f).read() for f in sorted(os.listdir(tmp_path / "log")))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs[-3000:]
+    done = run_ranks(TOOL, 2, ["-c", CONFIG, "-o", f"Global.pretrained={folder_pair['weights']}",
+                               "-o", f"Global.output_dir={tmp_path / 'out'}", "-o", "Eval.batch_size=8",
+                               "--probes", made["probes"], "--distractors", made["distractors"],
+                               "--probe-noise", made["probe_noise"],
+                               "--distractor-noise", made["distractor_noise"]],
+                     cwd=str(tmp_path), timeout=240)
+    assert done.status == 0, done.tail()
     two = json.load(open(tmp_path / "out" / "megaface_result.json"))
     one = folder_pair["single"]
     assert two["world_size"] == 2 and two["num_probes"] == one["num_probes"]

@@ -3,7 +3,6 @@ by paddle2onnx gives, through onnxruntime, the embeddings of the same weights ru
 the same verification accuracy, extraction and IJB TAR@FAR; the input conventions (RGB/BGR,
 normalised/0..255) are converted to what the file expects; a fixed batch dimension is fed
 image by image; without onnxruntime, --onnx is a one-line error."""
-import importlib.util
 import os
 import sys
 
@@ -11,7 +10,8 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import IMAGE, config, make_data
+import scripts
+from trainer_common import IMAGE, config, make_data
 from ijb_layout import make_layout
 from oracles import rel_err
 from plsc.config import dump_config
@@ -31,10 +31,7 @@ ACC_TOL = 1e-3  # accuracy and TAR (the issue's acceptance): one pair of 40 is 0
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_tool", os.path.join(TOOLS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return scripts.load(f"tools/{name}.py").main
 
 
 def _with_input(src, dst, new_name, prefix_nodes):
@@ -255,19 +252,17 @@ def test_ijb_with_onnx_gives_paddles_tar_at_far(setup, ijb_paddle, capsys):
     _compare_ijb(out, feats, ijb_paddle, "one process")
 
 
-def test_two_launched_ranks_each_run_a_session(setup, ijb_paddle, tmp_path):
+def test_two_launched_ranks_each_run_a_session(setup, ijb_paddle, tmp_path, run_ranks):
     """Two ranks, each with its own session of the batch-1 file over its share of the images:
     the gathered features (both shares) and the TARs are the single Paddle process's."""
-    import subprocess
-    out, feats, logs = tmp_path / "out", str(tmp_path / "feats.npy"), tmp_path / "log"
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(logs),
-           os.path.join(TOOLS, "eval_ijb.py"), "-c", setup["yaml"], "--root", setup["ijb"], "--target", "IJBC",
-           "--onnx", setup["files"]["batch1"], "--save-features", feats, "-o", f"Global.output_dir={out}",
-           "-o", "Eval.batch_size=8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    text = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-4000:]
-    assert {"workerlog.0", "workerlog.1"} <= set(os.listdir(logs)) and "TAR (%)" in text
+    out, feats = tmp_path / "out", str(tmp_path / "feats.npy")
+    done = run_ranks(os.path.join(TOOLS, "eval_ijb.py"), 2,
+                     ["-c", setup["yaml"], "--root", setup["ijb"], "--target", "IJBC",
+                      "--onnx", setup["files"]["batch1"], "--save-features", feats,
+                      "-o", f"Global.output_dir={out}", "-o", "Eval.batch_size=8"],
+                     cwd=str(tmp_path))
+    assert done.status == 0, done.tail(4000)
+    assert all(done.logs) and "TAR (%)" in "".join(done.logs)
     _compare_ijb(out, feats, ijb_paddle, "two ranks")
 
 

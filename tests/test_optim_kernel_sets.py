@@ -1,9 +1,9 @@
 """The sparse-row optimizers give the same bits on both kernel sets (`PLSC_KERNELS`): the CPU
 set (numpy kernels, chunks of 1,024 rows, host-side finiteness, `unique` merge) is the oracle,
-itself checked against numpy in test_sparse_dtypes/test_int8; the device set (Paddle ops, one
-slab, finiteness on the device, a sorted merge) must match it bit for bit: every update is the
-same float32 elementwise operations on each row, and the random bits are the same function of
-(seed, stream, step, rank, row, column). Steps: sampled rows, all rows, two accumulated
+itself checked against numpy in dtypes/test_optim.py and dtypes/test_quantized.py; the device
+set (Paddle ops, one slab, finiteness on the device, a sorted merge) must match it bit for
+bit: every update is the same float32 elementwise operations on each row, and the random bits
+are the same function of (seed, stream, step, rank, row, column). Steps: sampled rows, all rows, two accumulated
 micro-batches with shared rows, a fused update with a non-finite slab; the weight and its
 state in one storage (the device set rounds their rows together) or in two."""
 import numpy as np
@@ -13,7 +13,7 @@ import pytest
 from plsc.cpu_kernels import KERNELS_ENV
 from plsc.optim import SparseAdamW, SparseMomentum
 from plsc.quantized import Int8Rows
-from test_sparse_dtypes import StubHead
+from dtypes.test_optim import StubHead
 
 N, D = 3000, 8  # more rows than a CPU-set chunk (1,024): the device set's one slab differs
 OPTS = {"momentum": (SparseMomentum, dict(learning_rate=0.1, momentum=0.9, weight_decay=1e-3)),

@@ -4,7 +4,6 @@ import paddle
 import pytest
 
 from plsc.models.permute import permute
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 
 @pytest.mark.parametrize("shape,perm", [((2, 3, 4, 5, 6), (2, 0, 3, 1, 4)),

@@ -14,12 +14,13 @@ import paddle
 import pytest
 import yaml
 
-from engine_common import CLASSES, IMAGE, config, make_data
+from trainer_common import CLASSES, IMAGE, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint
 from plsc.train.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "preempt_worker.py")
 STEPS = 8
 
 
@@ -139,7 +140,7 @@ def test_signal_in_one_process_checkpoints_and_resume_is_exact(tmp_path, data_ro
 
 
 # ------------------------------------------------------------- launched ranks
-def write_config(path, data_root, output_dir):
+def write_config(path, data_root, output_dir, interval=100):
     raw = {
         "Global": {"seed": 0, "output_dir": output_dir, "device": "cpu", "max_steps": STEPS,
                    "log_interval": 1, "checkpoint": "auto"},
@@ -150,7 +151,7 @@ def write_config(path, data_root, output_dir):
                  "batch_size": 4, "num_workers": 0},
         "Optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
         "LRScheduler": {"warmup_steps": 2},
-        "Checkpoint": {"interval": 100, "keep_last": 5},
+        "Checkpoint": {"interval": interval, "keep_last": 5},
         "Logging": {"visualdl": False, "progress_bar": False},
     }
     with open(path, "w") as f:
@@ -158,34 +159,19 @@ def write_config(path, data_root, output_dir):
     return path
 
 
-def launch(tmp, name, data_root, signal_rank=-1, signal_step=0, pause=0.0):
-    """Start 2 ranks of tests/preempt_worker.py; (process, config, log folder)."""
-    cfg = write_config(str(tmp / "config.yaml"), data_root, str(tmp / "out"))
-    logs = str(tmp / f"logs_{name}")
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-           "--log_dir", logs, os.path.join(HERE, "preempt_worker.py"), str(signal_rank),
-           str(signal_step), str(pause), "-c", cfg]
-    return subprocess.Popen(cmd, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True), logs
-
-
-def finish(proc, what):
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"{what}: timed out (hang?)")
-    return proc.returncode, out
-
-
-def worker_logs(logs):
-    return [open(f).read() for f in sorted(glob.glob(os.path.join(logs, "workerlog.*")))]
+def launch(run_ranks, tmp, data_root, signal_rank=-1, signal_step=0, pause=0.0, interval=100,
+           **kw):
+    """2 ranks of tests/preempt_worker.py on a fresh `tmp`/config.yaml (output `tmp`/out,
+    checkpoints every `interval` steps); `kw`: more `run_ranks` arguments (env, launch_args,
+    wait)."""
+    cfg = write_config(str(tmp / "config.yaml"), data_root, str(tmp / "out"), interval)
+    return run_ranks(WORKER, 2, [signal_rank, signal_step, pause, "-c", cfg], cwd=str(tmp),
+                     timeout=240, **kw)
 
 
 def stop_steps(logs):
-    """The step each rank reported stopping at."""
-    found = [re.findall(r"preempted: stopped at step (\d+) by signal 15", text)
-             for text in worker_logs(logs)]
+    """The step each rank reported stopping at, from the ranks' `logs`."""
+    found = [re.findall(r"preempted: stopped at step (\d+) by signal 15", text) for text in logs]
     return [int(f[0]) if f else None for f in found]
 
 
@@ -199,21 +185,19 @@ def final_state(out):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data_root):
+def uninterrupted(tmp_path_factory, data_root, run_ranks):
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    proc, logs = launch(tmp, "run", data_root)
-    code, out = finish(proc, "uninterrupted run")
-    assert code == 0, out[-3000:]
+    done = launch(run_ranks, tmp, data_root)
+    assert done.status == 0, done.tail()
     return final_state(str(tmp / "out"))
 
 
-def assert_resumes_to(tmp, data_root, stopped_at, expected):
+def assert_resumes_to(run_ranks, tmp, data_root, stopped_at, expected):
     ckpt = os.path.join(str(tmp / "out"), "checkpoints", f"step_{stopped_at:08d}")
     assert os.path.isfile(os.path.join(ckpt, "meta.json")), "no checkpoint at the stop"
-    proc, logs = launch(tmp, "resume", data_root)  # the same command: Global.checkpoint=auto
-    code, out = finish(proc, "resumed run")
-    assert code == 0, out[-3000:]
-    assert "Global.checkpoint=auto: resuming from" in worker_logs(logs)[0]
+    done = launch(run_ranks, tmp, data_root)  # the same command: Global.checkpoint=auto
+    assert done.status == 0, done.tail()
+    assert "Global.checkpoint=auto: resuming from" in done.logs[0]
     got = final_state(str(tmp / "out"))
     assert set(got) == set(expected)
     for key, value in expected.items():
@@ -221,30 +205,29 @@ def assert_resumes_to(tmp, data_root, stopped_at, expected):
         np.testing.assert_array_equal(got[key], value, err_msg=key)
 
 
-def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted):
-    proc, logs = launch(tmp_path, "stop", data_root, signal_rank=1, signal_step=3)
-    code, out = finish(proc, "signalled run")
-    assert code == PREEMPTED_EXIT_CODE, out[-3000:]  # the launcher passes the ranks' status on
-    assert stop_steps(logs) == [3, 3], [t[-2000:] for t in worker_logs(logs)]
-    assert_resumes_to(tmp_path, data_root, 3, uninterrupted)
+def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted,
+                                                         run_ranks):
+    done = launch(run_ranks, tmp_path, data_root, signal_rank=1, signal_step=3)
+    assert done.status == PREEMPTED_EXIT_CODE, done.tail()  # the launcher passes it on
+    assert stop_steps(done.logs) == [3, 3], done.tail(2000)
+    assert_resumes_to(run_ranks, tmp_path, data_root, 3, uninterrupted)
 
 
-def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted):
-    proc, logs = launch(tmp_path, "stop", data_root, pause=0.5)
+def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted,
+                                                             run_ranks):
+    group = launch(run_ranks, tmp_path, data_root, pause=0.5, wait=False)
     deadline = time.time() + 120
-    log0 = os.path.join(logs, "workerlog.0")
     while time.time() < deadline:  # wait until the run is between steps 2 and STEPS
-        if os.path.isfile(log0) and re.search(r"step [2-9]/8", open(log0).read()):
+        if re.search(r"step [2-9]/8", group.log(0)):
             break
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    code, out = finish(proc, "run whose launcher got SIGTERM")
-    assert code == signal.SIGTERM, out[-3000:]  # Paddle's launcher exits with the signal number
-    assert all("plsc: preempted: stopped at step" in t for t in worker_logs(logs))
-    steps = stop_steps(logs)
-    assert steps[0] is not None and steps[0] == steps[1] and steps[0] < STEPS, \
-        [t[-2000:] for t in worker_logs(logs)]
-    assert_resumes_to(tmp_path, data_root, steps[0], uninterrupted)
+    group.send_signal(signal.SIGTERM)
+    done = group.wait()
+    assert done.status == signal.SIGTERM, done.tail()  # the launcher exits with the signal number
+    assert all("plsc: preempted: stopped at step" in t for t in done.logs)
+    steps = stop_steps(done.logs)
+    assert steps[0] is not None and steps[0] == steps[1] and steps[0] < STEPS, done.tail(2000)
+    assert_resumes_to(run_ranks, tmp_path, data_root, steps[0], uninterrupted)
 
 
 def test_peer_failures_are_recognised():
@@ -259,26 +242,15 @@ def test_peer_failures_are_recognised():
     assert peer_failure(RuntimeError("shapes do not match"), 0, 2) is None
 
 
-def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path, data_root):
+def test_sigkill_of_one_rank_ends_the_other_with_one_line(tmp_path, data_root, run_ranks):
     """Rank 1 is killed (SIGKILL) after step 3; rank 0 exits within seconds with one line
     naming rank 1 and no traceback, and `latest` (the step-2 checkpoint) still loads."""
-    cfg = write_config(str(tmp_path / "config.yaml"), data_root, str(tmp_path / "out"))
-    with open(cfg) as f:
-        raw = yaml.safe_load(f)
-    raw["Checkpoint"]["interval"] = 2
-    with open(cfg, "w") as f:
-        yaml.safe_dump(raw, f)
-    logs = str(tmp_path / "logs")
     start = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
-                             "2", "--log_dir", logs, os.path.join(HERE, "preempt_worker.py"), "1",
-                             "3", "0", "-c", cfg], cwd=str(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PREEMPT_SIGNAL="KILL"))
-    code, out = finish(proc, "run with a killed rank")
-    assert code != 0
+    done = launch(run_ranks, tmp_path, data_root, 1, 3, 0, interval=2,
+                  env={"PREEMPT_SIGNAL": "KILL"})
+    assert done.status != 0
     assert time.time() - start < 120
-    log0 = open(os.path.join(logs, "workerlog.0")).read()
+    log0 = done.logs[0]
     lines = [line for line in log0.splitlines() if line.startswith("plsc: rank 0:")]
     assert len(lines) == 1, log0[-3000:]
     assert "rank 1 stopped answering after step 3" in lines[0]

@@ -2,7 +2,6 @@
 plsc.data.align.align_face on the same image, parallel packing equal to one worker, packs read
 back equal by plsc's reader and by a transcription of insightface's, bad lines named."""
 import filecmp
-import importlib.util
 import os
 import pickle
 import subprocess
@@ -12,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
+import scripts
 from plsc.data import irheader
 from plsc.data.align import align_face
 from plsc.data.recordio import RecordIOReader
@@ -21,10 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return scripts.load(f"tools/{name}.py")
 
 
 pack_rec, make_bin = _tool("pack_rec"), _tool("make_verification_bin")

@@ -4,7 +4,6 @@ import paddle
 import pytest
 
 from plsc.nn.sampling import num_sampled, sample_centres
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

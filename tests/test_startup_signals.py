@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from engine_common import CLASSES, IMAGE, make_data
+from trainer_common import CLASSES, IMAGE, make_data
 from plsc.train import Trainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -147,7 +146,7 @@ def seed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("startup")
     data = make_data(str(tmp / "data"))
     out = str(tmp / "seed")
-    from engine_common import config
+    from trainer_common import config
     cfg = config(data, out, Global={"max_steps": 2, "checkpoint": "auto"},
                  Data={"dataset": "recordio"}, Checkpoint={"interval": 2})
     Trainer(cfg).train()
@@ -284,32 +283,7 @@ def test_sigterm_at_random_moments_of_start_up(tmp_path, seed):
 
 
 # ------------------------------------------------------------------------------- two ranks
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def start_ranks(cmd, env=None, n=2):
-    """`n` ranks of `cmd` with the environment Paddle's launcher gives them (so that each
-    rank's own status can be read)."""
-    ports = free_ports(n + 1)
-    procs = []
-    for rank in range(n):
-        procs.append(start(cmd, dict(env or {}, PADDLE_TRAINER_ID=str(rank),
-                                     PADDLE_TRAINERS_NUM=str(n), PADDLE_LOCAL_SIZE=str(n),
-                                     PADDLE_MASTER=f"127.0.0.1:{ports[0]}", PADDLE_NNODES="1",
-                                     PADDLE_TRAINER_ENDPOINTS=",".join(f"127.0.0.1:{p}"
-                                                                      for p in ports[1:]),
-                                     PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}")))
-    return procs
-
-
-def test_sigterm_in_start_up_of_two_ranks(tmp_path, seed):
+def test_sigterm_in_start_up_of_two_ranks(tmp_path, seed, run_ranks):
     """Both ranks signalled 0.2 s and 1 s after their first line (before the process group
     exists: each keeps the signal until the group is formed, so neither leaves the other
     waiting in the set-up): every rank 75 and the start-up line. Through the launcher, one
@@ -317,51 +291,44 @@ def test_sigterm_in_start_up_of_two_ranks(tmp_path, seed):
     on), and the next start trains."""
     pairs = {}
     for name, delay in (("at_0.2s", 0.2), ("at_1s", 1.0)):
-        pairs[name] = (start_ranks([TRAIN, "-c", prepare(tmp_path, name, seed)]), delay)
-    wait_blocked([p for procs, _ in pairs.values() for p in procs])
+        pairs[name] = (run_ranks(TRAIN, 2, ["-c", prepare(tmp_path, name, seed)],
+                                 cwd=str(tmp_path), launcher=False, timeout=LIMIT, wait=False),
+                       delay)
+    wait_blocked([p for group, _ in pairs.values() for p in group.procs])
     began = time.time()
-    for procs, delay in sorted(pairs.values(), key=lambda r: r[1]):
+    for group, delay in sorted(pairs.values(), key=lambda r: r[1]):
         time.sleep(max(0.0, began + delay - time.time()))
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-    for name, (procs, _) in pairs.items():
-        for rank, proc in enumerate(procs):
-            what = f"{name} rank {rank}"
-            status, out, err = finish(proc, what)
-            assert_preempted_at_start(status, out, err, what=what)
-            if name == "at_0.2s":  # kept through the import, it ended the rank right after the
-                assert "resumed from" not in out, out[-2000:]  # group formed, before the resume
+        group.send_signal(signal.SIGTERM)
+    for name, (group, _) in pairs.items():
+        for rank, end in enumerate(group.wait().ranks):
+            assert_preempted_at_start(end.status, end.out, end.err, what=f"{name} rank {rank}")
+            if name == "at_0.2s":  # kept through the import, it ended the rank right after
+                # the group formed, before the resume
+                assert "resumed from" not in end.out, end.out[-2000:]
 
     cfg = prepare(tmp_path, "launched", seed)
-    logs = str(tmp_path / "logs")
-    launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-              "--log_dir", logs]
-    proc = subprocess.run(launch + [WORKER, "1", "0", "0", "-c", cfg], capture_output=True,
-                          text=True, timeout=LIMIT, env=dict(os.environ, PREEMPT_AT="agree"))
-    assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
-        text = open(os.path.join(logs, f"workerlog.{rank}")).read()
+    done = run_ranks(WORKER, 2, [1, 0, 0, "-c", cfg], cwd=str(tmp_path), timeout=LIMIT,
+                     env={"PREEMPT_AT": "agree"})
+    assert done.status == 75, done.tail()
+    for text in done.logs:
         assert STARTUP_LINE.format(n=15, name="SIGTERM") in text and not STEP_LINE.search(text), \
             text[-3000:]
-    logs = str(tmp_path / "logs_next")
-    proc = subprocess.run(launch[:-1] + [logs, TRAIN, "-c", cfg, "-o", "Global.max_steps=4"],
-                          capture_output=True, text=True, timeout=LIMIT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"step 4/4 ", open(os.path.join(logs, "workerlog.0")).read())
+    done = run_ranks(TRAIN, 2, ["-c", cfg, "-o", "Global.max_steps=4"], cwd=str(tmp_path),
+                     timeout=LIMIT)
+    assert done.status == 0, done.tail()
+    assert re.search(r"step 4/4 ", done.logs[0])
 
 
-def test_rank_killed_during_checkpoint_agreement(tmp_path, seed):
+def test_rank_killed_during_checkpoint_agreement(tmp_path, seed, run_ranks):
     """Resuming on 2 ranks, rank 0 is killed (SIGKILL) inside the checkpoint agreement while
     rank 1 waits in its collective: rank 1 prints one line naming rank 0 and the last
     checkpoint, no traceback, and exits with 69 within seconds."""
     cfg = prepare(tmp_path, "killed", seed)
-    procs = start_ranks([WORKER, "0", "0", "0", "-c", cfg],
-                        {"PREEMPT_AT": "verify", "PREEMPT_SIGNAL": "KILL"})
-    status0, _, _ = finish(procs[0], "rank 0")
-    killed = time.time()
-    status1, out1, err1 = finish(procs[1], "rank 1")
-    took = time.time() - killed
-    assert status0 == -signal.SIGKILL
+    ranks = run_ranks(WORKER, 2, [0, 0, 0, "-c", cfg], cwd=str(tmp_path), launcher=False,
+                      env={"PREEMPT_AT": "verify", "PREEMPT_SIGNAL": "KILL"}, timeout=LIMIT).ranks
+    status1, out1, err1 = ranks[1].status, ranks[1].out, ranks[1].err
+    took = ranks[1].ended - ranks[0].ended
+    assert ranks[0].status == -signal.SIGKILL
     assert status1 == 69, err1[-3000:]
     lines = plsc_lines(err1)
     assert len(lines) == 1 and "Traceback" not in err1, err1[-3000:]

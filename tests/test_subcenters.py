@@ -4,11 +4,11 @@ import numpy as np
 import paddle
 import pytest
 
-from head_ranks import check_fused_vs_separate, check_subcenters, fused_failures
+from head_cases.adaface_subcenters import check_subcenters
+from head_cases.fused import check_fused_vs_separate, fused_failures
 from oracles import (class_rows, dense_reference, make_case, make_subcenter_case,
                      finite_difference_grads, oracle_reference, subcenter_cos)
 from plsc.loss import ArcFace, CombinedMargin, CosFace
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

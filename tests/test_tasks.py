@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import config, make_data
+from trainer_common import config, make_data
 from oracles import rel_err
 from plsc.config import dump_config
 from plsc.train import Trainer

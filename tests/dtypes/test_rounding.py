@@ -7,7 +7,8 @@ import paddle
 import pytest
 
 from plsc.optim.rounding import round_to
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 DTYPES = ["bfloat16", "float16"]
 

@@ -1,17 +1,15 @@
 """Trains with checkpoints every 3 steps and SIGKILLs itself in the middle of the second save.
 
-    python tests/engine_kill_worker.py DATA_ROOT OUTPUT_DIR
+    python tests/trainer_kill_worker.py DATA_ROOT OUTPUT_DIR
 """
 import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trainer_common import config
 
-from engine_common import config  # noqa: E402
-
-import plsc.checkpoint.manager as checkpoint  # noqa: E402
-from plsc.train import Trainer  # noqa: E402
+import plsc.checkpoint.manager as checkpoint
+from plsc.train import Trainer
 
 saves = {"n": 0}
 real_save_rows = checkpoint.write_rows_npy

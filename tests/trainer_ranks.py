@@ -1,12 +1,13 @@
-"""Multi-rank engine cases, run in one spawned gloo group.
+"""Multi-rank trainer cases, run in one gloo group (conftest.run_ranks; one rank: one
+plain process).
 
-    python tests/engine_ranks.py --nprocs K --mode invariant --data DATA --out OUT [--dtype D]
-    python tests/engine_ranks.py --nprocs K --mode resume --data DATA --out OUT \
+    tests/trainer_ranks.py --mode invariant --data DATA --out OUT [--dtype D]
+    tests/trainer_ranks.py --mode resume --data DATA --out OUT \
         --resume TAG=DTYPE:CKPT [--resume TAG=DTYPE:CKPT ...]
 
 invariant: two optimizer steps on k ranks from fixed weights and a fixed global
 batch, with the class centres stored as `--dtype` (Loss.param_dtype, default float32);
-rank 0 saves the resulting backbone and full classifier to OUT/result.npz,
+rank 0 reports the resulting backbone and full classifier (tests/rank_report.py),
 and the trainer saves a checkpoint (OUT/run/checkpoints/...); then a third step whose head
 gradient is NaN on the last rank only must be skipped by every rank (`skip_agreed`); before
 it, a backward whose gradients are summed while it runs must give `sum_gradients`' sums
@@ -14,19 +15,17 @@ it, a backward whose gradients are summed while it runs must give `sum_gradients
 resume: for each `--resume`, in turn in the same group, resume CKPT (written by any
 number of ranks, in any dtype) on k ranks with Loss.param_dtype DTYPE; rank 0 saves the
 re-sharded classifier and optimizer rows as resumed, then two more steps run from them
-(their losses and the classifier after them are saved too). Keys of OUT/result.npz are
+(their losses and the classifier after them are reported too). Keys of the report are
 prefixed with "TAG.".
 
 Head arrays are saved as stored: float32 as float32, bfloat16 as its bits (uint16).
 """
 import argparse
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rank_report
 
 STEPS = 2
 PER_RANK = 3  # samples per rank and step
@@ -34,7 +33,7 @@ PER_RANK = 3  # samples per rank and step
 
 def global_batches(world, seed=1):
     """The same global batches for any world size: STEPS x (images, labels) of 6 samples."""
-    from engine_common import CLASSES, IMAGE
+    from trainer_common import CLASSES, IMAGE
     rng = np.random.RandomState(seed)
     n = 6
     return [(rng.normal(size=(n, 3, IMAGE, IMAGE)).astype("float32"),
@@ -42,7 +41,7 @@ def global_batches(world, seed=1):
 
 
 def full_classifier(seed=2):
-    from engine_common import CLASSES
+    from trainer_common import CLASSES
     return np.random.RandomState(seed).normal(0, 0.1, (CLASSES, 32)).astype("float32")
 
 
@@ -152,7 +151,7 @@ def gather_head(trainer, name):
 
 def run(mode, data, out, dtype, resumes, config_backbone=False):
     import paddle
-    from engine_common import config, make_backbone
+    from trainer_common import config, make_backbone
     from plsc.distributed import get_rank, get_world_size, init
     from plsc.train import Trainer
 
@@ -169,9 +168,9 @@ def run(mode, data, out, dtype, resumes, config_backbone=False):
         overlap_equal = overlap_check(trainer, rank, world)
         skip_agreed = poisoned_step(trainer, rank, world)
         if rank == 0:
-            np.savez(os.path.join(out, "result.npz"), head=weight, velocity=velocity,
-                     skip_agreed=skip_agreed, overlap_equal=overlap_equal,
-                     **{f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
+            backbone = {f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()}
+            rank_report.write_arrays(dict(head=weight, velocity=velocity, skip_agreed=skip_agreed,
+                                          overlap_equal=overlap_equal, **backbone))
         return
     results = {}
     for spec in resumes:
@@ -190,12 +189,11 @@ def run(mode, data, out, dtype, resumes, config_backbone=False):
         result["after"] = gather_head(trainer, "weight")
         results.update({f"{tag}.{k}": v for k, v in result.items()})
     if rank == 0:
-        np.savez(os.path.join(out, "result.npz"), **results)
+        rank_report.write_arrays(results)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--nprocs", type=int, required=True)
     p.add_argument("--mode", choices=("invariant", "resume"), required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
@@ -207,11 +205,7 @@ def main():
     a = p.parse_args()
     if a.mode == "resume" and not a.resume:
         p.error("--mode resume needs at least one --resume TAG=DTYPE:CKPT")
-    args = (a.mode, a.data, a.out, a.dtype, a.resume, a.config_backbone)
-    if a.nprocs == 1:
-        return run(*args)
-    import paddle.distributed as dist
-    dist.spawn(run, args=args, nprocs=a.nprocs)
+    run(a.mode, a.data, a.out, a.dtype, a.resume, a.config_backbone)
 
 
 if __name__ == "__main__":

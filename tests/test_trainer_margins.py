@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import CLASSES, config, make_backbone, make_data
+from trainer_common import CLASSES, config, make_backbone, make_data
 from plsc.config import ConfigError
 from plsc.train import Trainer
 from plsc.checkpoint import export_classifier, reshard_checkpoint

@@ -11,7 +11,8 @@ import pytest
 import plsc.checkpoint as ckpt
 import plsc.checkpoint.head_arrays as store
 from plsc.distributed import ClassPartition
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 C, D = 11, 6  # classes, embedding size
 

@@ -15,7 +15,7 @@ import paddle.amp.amp_lists as amp_lists
 import pytest
 from paddle.base import core
 
-from engine_common import config, make_data
+from trainer_common import config, make_data
 from plsc import runtime
 from plsc.cpu_kernels import KERNELS_ENV
 from plsc.models import build_model

@@ -1,4 +1,4 @@
-"""Shared pieces of the engine tests: a small config and a backbone without batch statistics."""
+"""Shared pieces of the trainer tests: a small config and a backbone without batch statistics."""
 import copy
 import os
 
@@ -57,7 +57,7 @@ def config(data_root, output_dir, **sections):
 
 
 def make_data(root):
-    """Generate the small synthetic set once (the engine would do it on first use too)."""
+    """Generate the small synthetic set once (the trainer would do it on first use too)."""
     from plsc.data.synthetic import generate
     if not os.path.isfile(os.path.join(root, "train.idx")):
         generate(root, image_size=IMAGE, num_identities=CLASSES, images_per_identity=6,

@@ -1,4 +1,4 @@
-"""The training engine in one process: resume, checkpoint safety, skipped steps, config errors."""
+"""The trainer in one process: resume, checkpoint safety, skipped steps, config errors."""
 import os
 import signal
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import pytest
 
-from engine_common import GRAD_CLIP, config, make_data
+from trainer_common import GRAD_CLIP, config, make_data
 from plsc.config import ConfigError
 from plsc.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
@@ -78,7 +78,7 @@ def test_checkpoints_keep_last_and_latest(tmp_path, data_root):
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path, data_root):
     out = str(tmp_path / "killed")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_kill_worker.py"), data_root, out],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "trainer_kill_worker.py"), data_root, out],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     root = os.path.join(out, "checkpoints")
@@ -171,7 +171,7 @@ def test_reshard_tool_export_and_import(tmp_path, data_root):
 
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path, data_root):
     """Two micro-batches of 4 give the step of one batch of 8 (backbone without batch statistics)."""
-    from engine_common import make_backbone
+    from trainer_common import make_backbone
     rng = np.random.RandomState(3)
     images = rng.normal(size=(8, 3, 16, 16)).astype("float32")
     labels = rng.randint(0, 24, 8).astype("int64")
@@ -214,7 +214,7 @@ def test_chunked_head_trains_like_the_dense_one(tmp_path, data_root):
 
 def test_loss_scale_growth_does_not_change_the_step(tmp_path, data_root):
     """With scaling on (growing after every good step) the update equals the unscaled one."""
-    from engine_common import make_backbone
+    from trainer_common import make_backbone
     rng = np.random.RandomState(5)
     images = paddle.to_tensor(rng.normal(size=(4, 3, 16, 16)).astype("float32"))
     labels = paddle.to_tensor(rng.randint(0, 24, 4).astype("int64"))

@@ -10,14 +10,14 @@ import numpy as np
 import paddle
 import pytest
 
-from head_ranks import (_bits, check_dtype_vs_float32, check_fused_vs_separate, dtype_case_name,
-                        dtype_cases, fused_case_name, fused_cases, fused_failures, margins,
-                        rounded)
+from head_cases.common import margins
+from head_cases.dtypes import check_dtype_vs_float32, dtype_case_name, dtype_cases, rounded
+from head_cases.fused import (_bits, check_fused_vs_separate, fused_case_name, fused_cases,
+                              fused_failures)
 from oracles import dense_reference, make_case
 from plsc.loss import ArcFace, Softmax
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
-from kernel_sets import kernels  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 

@@ -15,7 +15,8 @@ from plsc.optim.rounding import uniform_noise
 from plsc.quantized import Int8Rows, dequantize, quantize
 from plsc.storage import name as storage_name, read as rows_f32
 from plsc.nn.parallel_softmax import parallel_softmax_cross_entropy
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 
 def rows(n=64, d=48, seed=0, positive=False):
@@ -317,7 +318,7 @@ def test_reshard_2_to_3_and_loads_across_dtypes(tmp_path, monkeypatch):
     import plsc.checkpoint as ckpt
     import plsc.checkpoint.head_arrays as store
     from plsc.distributed import ClassPartition
-    from test_checkpoint_dtypes import C, D, bf16_bits_nearest_even, bf16_to_float32, \
+    from dtypes.test_checkpoint import C, D, bf16_bits_nearest_even, bf16_to_float32, \
         write_checkpoint
     monkeypatch.setattr(store, "_SLAB_BYTES", 2 * (4 + D))  # slabs of 2 records
     x, v = rows(n=C, d=D, seed=6), rows(n=C, d=D, seed=7)
@@ -356,7 +357,7 @@ def test_reshard_2_to_3_and_loads_across_dtypes(tmp_path, monkeypatch):
 
 def test_export_gives_float32_values_and_import_quantises(tmp_path):
     import plsc.checkpoint as ckpt
-    from test_checkpoint_dtypes import C, D, write_checkpoint
+    from dtypes.test_checkpoint import C, D, write_checkpoint
     x = rows(n=C, d=D, seed=8)
     w8 = records(x, "int8")
     src = write_checkpoint(tmp_path / "ck", {"weight": ("int8", w8),
@@ -394,16 +395,15 @@ def test_cpu_numpy_path_gives_the_paddle_ops_bits(name, monkeypatch):
         np.testing.assert_array_equal(v1.numpy(), dequantize(c2, s2, name).numpy())
 
 
-def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys, monkeypatch):
+def test_reshard_tool_converts_an_int8_checkpoint_to_float32(tmp_path, capsys):
     """`tools/reshard.py CKPT --dtype float32`: every 8-bit array becomes its float32 values
     (this file's oracle), float32 counters stay, the stored config names the new dtype, and
     the result verifies against its manifest."""
     import json
-    import os
     import plsc.checkpoint as ckpt
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
-    import reshard
-    from test_checkpoint_dtypes import C, D, write_checkpoint
+    import scripts
+    reshard = scripts.load("tools/reshard.py")
+    from dtypes.test_checkpoint import C, D, write_checkpoint
     x, m2 = rows(n=C, d=D, seed=12), rows(n=C, d=D, seed=13, positive=True)
     steps = np.arange(C, dtype=np.float32)
     src = write_checkpoint(tmp_path / "ck", {"weight": ("int8", records(x, "int8")),

@@ -1,14 +1,15 @@
 """plsc.storage: one interface to a head array whatever its storage, against numpy oracles
 (float32 as it is, 16 bits upcast exactly and written to nearest even, 8 bits through the
-maps' own oracle in test_int8), on both kernel sets."""
+maps' own oracle in dtypes/test_quantized.py), on both kernel sets."""
 import numpy as np
 import paddle
 import pytest
 
 from plsc import storage
 from plsc.quantized import Int8Rows, dequantize
-from test_rounding import rne
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+from dtypes.test_rounding import rne
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 N, D = 50, 8
 
@@ -89,9 +90,9 @@ def test_put_stores_values_already_in_the_storage_as_they_are(dtype):
                     keep=paddle.to_tensor(True))
 
 
-def test_slab_rows_from_the_budget_of_the_kernel_set(both_kernel_sets):
+def test_slab_rows_from_the_budget_of_the_kernel_set(kernels):
     t = paddle.zeros([4, 512])
-    expected = (32 << 20) // 2048 if both_kernel_sets == "cpu" else (256 << 20) // 2048
+    expected = (32 << 20) // 2048 if kernels == "cpu" else (256 << 20) // 2048
     assert storage.slab_rows(512, t) == expected
     assert storage.slab_rows(512, t, budget=4096) == 2
     assert storage.slab_rows(10 ** 9, t) == 1

@@ -7,8 +7,9 @@ import paddle
 import pytest
 
 from plsc.optim import SparseAdamW, SparseMomentum
-from test_rounding import neighbours, rne
-from kernel_sets import both_kernel_sets  # noqa: F401  (every test on both kernel sets)
+from dtypes.test_rounding import neighbours, rne
+
+pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 DTYPES = ["bfloat16", "float16"]
 N, D = 40, 6

@@ -1,0 +1,16 @@
+"""The repository's scripts (tools/, benchmarks/) imported as modules from their files, without
+their folders on sys.path (where tools/checkpoint.py would shadow any module `checkpoint`)."""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(path, name=None):
+    """The module of the script at `path` (relative to the repository, e.g. "tools/train.py",
+    or absolute), run afresh; `name`: its module name (default: the file's)."""
+    name = name or os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
