@@ -1,4 +1,4 @@
-"""8-bit head arrays: one byte a value and one float32 scale a row.
+"""8-bit head arrays: one byte per value and one float32 scale per row.
 
 An `Int8Rows` stores `[n, ..., d]` values as codes (one byte each) and a scale per row (the
 last axis is the row): value = map(code) · scale, with the scale recomputed from the row's
@@ -214,7 +214,7 @@ def _quantize_numpy(x, m, noise):
 
 
 class Int8Rows:
-    """Values stored as 8-bit codes and a float32 scale a row (see the module docstring).
+    """Values stored as 8-bit codes and a float32 scale per row (see the module docstring).
     `codes`: `[n, ..., d]` int8 (uint8 for "uint8_log"), `scale`: `[n, ...]` float32."""
 
     def __init__(self, codes, scale, name="int8"):

@@ -28,7 +28,7 @@ __all__ = ["read_noise_list", "drop_noise", "load_set", "format_megaface_table",
 
 
 def read_noise_list(path):
-    """The entries of a noise list (insightface's format: one path a line)."""
+    """The entries of a noise list (insightface's format: one path per line)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"noise list {path} does not exist")
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -11,13 +11,13 @@ The formulas are Paddle's: `Momentum` with L2 weight decay added to the
 gradient, and `AdamW` with decoupled decay.
 
 Storage is not compute: the weight and the optimizer state may be stored in
-bfloat16, float16 or 8 bits a value with a scale a row (`plsc.quantized`). Each
+bfloat16, float16 or 8 bits per value with a scale per row (`plsc.quantized`). Each
 chunk's rows are read as float32, updated in float32, and written back rounded to
 their storage (`plsc.optim.rounding`; stochastically by default, with random bits
 that depend on the optimizer's own step count, the head's rank and the row, so a
 resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
 8-bit state uses the map `int8_maps` names for it (AdamW's moments are
-logarithmic, see `plsc.quantized`); state with one value a row (the bias's, AdamW's
+logarithmic, see `plsc.quantized`); state with one value per row (the bias's, AdamW's
 step counts) stays float32. Gradients may come in any float dtype and are upcast.
 Float32 storage is neither rounded nor changed in any bit.
 
@@ -41,7 +41,7 @@ __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
 _CHUNK = 1024  # rows updated at a time on the CPU set: temporaries stay cache-sized
 # On the device set a slab is `plsc.storage.slab_rows` (its byte budget, 256 MiB of float32
-# rows): the update is a fixed number of Paddle ops a slab, whatever the rows.
+# rows): the update is a fixed number of Paddle ops per slab, whatever the rows.
 
 
 class SparseRowOptimizer:
@@ -73,7 +73,7 @@ class SparseRowOptimizer:
         self._state = {}
         self._stash = {}
         self._fused_counts = [0, 0]  # slabs of the last fused update: applied, skipped (CPU)
-        self._fused_flags = []  # 0-d bool tensors, a slab each: its gradient was finite
+        self._fused_flags = []  # 0-d bool tensors, one per slab: its gradient was finite
 
     @property
     def fused_applied(self):
@@ -222,7 +222,7 @@ class SparseRowOptimizer:
 
     def _zeros(self, key, shape, dtype):
         """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
-        axes only, with the map `int8_maps` names; a value a row stays float32)."""
+        axes only, with the map `int8_maps` names; one value per row stays float32)."""
         return storage.zeros(shape, "int8" if dtype.startswith(("int8", "uint8")) else dtype,
                              self.int8_maps.get(key, "int8"))
 

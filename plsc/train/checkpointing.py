@@ -18,7 +18,7 @@ class Checkpointing:
     log and counters."""
 
     def _head_arrays(self):
-        """This rank's class-indexed arrays as tensors (a class a row: with K sub-centres the
+        """This rank's class-indexed arrays as tensors (one row per class: with K sub-centres the
         weight and its state are viewed as `[num_local, K, d]`): the save streams them in slabs."""
         head = self.head
         arrays = {"weight": head.weight}
