@@ -26,8 +26,8 @@ storage dtype (float32 is returned as is, 16 bits upcast exactly, 8 bits dequant
 
 On the CPU both directions run as numpy on the tensors' memory, a slab of rows per kernel
 thread (`plsc.cpu_kernels`): the same IEEE operations as the Paddle ops used elsewhere, so the
-same bits (tested), 2.5-17 times faster than Paddle 3.3's CPU kernels on a [1024, 512] block
-(measured here).
+same bits (tested), several times faster than Paddle 3.3's CPU kernels (docs/performance.md,
+"plsc's own CPU kernels, measured").
 """
 import numpy as np
 import paddle
