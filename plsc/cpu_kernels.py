@@ -8,12 +8,8 @@ the thread count or on how the rows were sliced. The functions ending in `_` wor
 need a contiguous tensor. Every other tensor (other devices, other dtypes, strided views) goes
 to Paddle's own ops, so callers stay device-agnostic.
 
-Measured on this project's 2-core AMD machine, one thread: the row dot products of a
-[200000, 512] float32 pair take 0.36 s with `paddle.einsum("ij,ij->i")` and 0.04 s here; on a
-[512, 16384] block of logits, scaling the columns, the row max, subtracting it, exp and the row
-sum take 39 ms as Paddle ops and 13 ms here (9 ms on two threads); gathering 1.25M sorted rows
-of a [12.5M, 128] float32 array into a given output (Partial FC's sampled centres) takes 0.29 s
-with `index_select` and 0.13 s here.
+Measured speed-ups against Paddle's CPU kernels: docs/performance.md ("plsc's own CPU kernels,
+measured").
 """
 import ctypes
 import os
@@ -99,9 +95,8 @@ _VS_EXP = []  # [MKL's vsExp, or None], looked up at the first use
 
 def _exp_(a):
     """a = exp(a) in place (`a`: a C-contiguous float32 numpy array): MKL's vsExp from the MKL
-    that Paddle's CPU wheel bundles, where there is one, else numpy's exp. Measured here on a
-    [512, 25000] block: 0.46 ns an element against numpy's 1.6, and closer to the exact value
-    (largest relative error 6.8e-8 against 1.9e-7)."""
+    that Paddle's CPU wheel bundles, where there is one, else numpy's exp: faster, and closer to
+    the exact value (largest relative error 6.8e-8 against 1.9e-7; timings: docs/performance.md)."""
     if not _VS_EXP:
         _VS_EXP.append(_load_vs_exp())
     if _VS_EXP[0] is None or not a.flags.c_contiguous or a.size >= 1 << 31:

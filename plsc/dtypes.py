@@ -2,7 +2,7 @@
 the config schema and the tools read them).
 
 - `FLOAT_DTYPES`: float head arrays (Paddle tensors of these dtypes).
-- `INT8_MAP_NAMES`: the 8-bit maps of `plsc.quantized` (a byte a value, a scale a row).
+- `INT8_MAP_NAMES`: the 8-bit maps of `plsc.quantized` (a byte per value, a scale per row).
 - `HEAD_DTYPES`: what a head array or its optimizer state may be asked to be stored as ("int8"
   picks the map that suits the array).
 - `STORED_DTYPES`: what a stored array is (checkpoints' `head_dtypes`).

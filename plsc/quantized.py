@@ -1,4 +1,4 @@
-"""8-bit head arrays: one byte a value and one float32 scale a row.
+"""8-bit head arrays: one byte per value and one float32 scale per row.
 
 An `Int8Rows` stores `[n, ..., d]` values as codes (one byte each) and a scale per row (the
 last axis is the row): value = map(code) · scale, with the scale recomputed from the row's
@@ -26,8 +26,8 @@ storage dtype (float32 is returned as is, 16 bits upcast exactly, 8 bits dequant
 
 On the CPU both directions run as numpy on the tensors' memory, a slab of rows per kernel
 thread (`plsc.cpu_kernels`): the same IEEE operations as the Paddle ops used elsewhere, so the
-same bits (tested), 2.5-17 times faster than Paddle 3.3's CPU kernels on a [1024, 512] block
-(measured here).
+same bits (tested), several times faster than Paddle 3.3's CPU kernels (docs/performance.md,
+"plsc's own CPU kernels, measured").
 """
 import numpy as np
 import paddle
@@ -214,7 +214,7 @@ def _quantize_numpy(x, m, noise):
 
 
 class Int8Rows:
-    """Values stored as 8-bit codes and a float32 scale a row (see the module docstring).
+    """Values stored as 8-bit codes and a float32 scale per row (see the module docstring).
     `codes`: `[n, ..., d]` int8 (uint8 for "uint8_log"), `scale`: `[n, ...]` float32."""
 
     def __init__(self, codes, scale, name="int8"):

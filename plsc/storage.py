@@ -1,7 +1,7 @@
 """The head's row arrays behind one interface, whatever they are stored as.
 
 A head array (class centres, their bias, optimizer state) is a Paddle tensor of float32,
-bfloat16 or float16, or an 8-bit `plsc.quantized.Int8Rows` (codes and a scale a row). All
+bfloat16 or float16, or an 8-bit `plsc.quantized.Int8Rows` (codes and a scale per row). All
 arithmetic is float32: callers read rows as float32 (`read`, `take`), compute, and write float32
 rows back (`put`), which rounds them into the storage (to nearest; stochastically when the
 caller gives random bits, see `put`). No caller asks which storage it holds.
@@ -48,7 +48,7 @@ def has_autograd(t):
 
 def zeros(shape, dtype, int8_map="int8"):
     """A zero head array of `shape` stored as `dtype` (one of `HEAD_DTYPES`; "int8" with the
-    map `int8_map`, and only for rows of two or more axes: a value a row stays float32)."""
+    map `int8_map`, and only for rows of two or more axes: one value per row stays float32)."""
     if dtype not in HEAD_DTYPES:
         raise ValueError(f"storage dtype must be one of {', '.join(HEAD_DTYPES)}, got {dtype!r}")
     if dtype == "int8":
@@ -130,7 +130,7 @@ def put(t, where, values, bits=None, keep=None):
     elif t.ndim == 2 and t.shape[1] % 2 == 0:
         # No 16-bit CPU scatter in Paddle 3.3: scatter pairs of 16-bit values as int32.
         t.view("int32").scatter_(where, values.view("int32"), overwrite=True)
-    else:  # index_put_ is slow on rows of a 2-D tensor (5 ms for [1024, 512]), fast on 1-D
+    else:  # index_put_ is slow on rows of a 2-D tensor, fast on 1-D (docs/performance.md)
         t.index_put_((where,), values)
 
 

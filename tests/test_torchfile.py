@@ -453,7 +453,7 @@ def test_written_file_is_torch_format(tmp_path):
 
 
 def test_zip64_fields(tmp_path, monkeypatch):
-    monkeypatch.setattr(torchfile, "_ZIP64_LIMIT", 100)  # records and offsets from 100 bytes
+    monkeypatch.setattr(torchfile.writer, "_ZIP64_LIMIT", 100)  # zip64 from 100 bytes
     obj = {"a": ramp((50,), -1.0, 0.5), "b": ramp((3,), dtype=np.int64)}
     path = tmp_path / "z64.pt"
     torchfile.save(obj, path)

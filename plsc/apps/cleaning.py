@@ -245,44 +245,11 @@ def clean_subcenters(cfg, checkpoint=None, threshold=75.0, out_dir=None, progres
 
 
 def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
-    g = cfg["Global"]
-    rank, world = pd.get_rank(), pd.get_world_size()
-    value = checkpoint or g["checkpoint"] or "latest"
-    value = "latest" if value == "auto" else value
-    try:
-        path = agree_checkpoint(value, g["output_dir"], cfg["Checkpoint"]["verify"],
-                                warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr))
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"no checkpoint to clean with (checkpoint={value!r}): {err}") from None
-    meta = read_meta(path)
-    k = int(meta.get("sub_centers", 1))
-    if k == 1:
-        raise ConfigError(f"checkpoint {path} has sub_centers=1 (one centre per class): nothing to "
-                          "clean; train with -o Loss.sub_centers=3 (K > 1) first")
-    num_classes, dim = int(meta["num_classes"]), int(meta["embedding_size"])
-    first = rows_as_float32(load_head_rows(path, "weight", 0, 1, meta),
-                            head_dtype(path, "weight", meta))
-    if first.shape[1:] != (k, dim):
-        raise ValueError(f"checkpoint {path}: head weight rows have shape {first.shape[1:]}, "
-                         f"expected ({k}, {dim}) for sub_centers={k}")
-    if cfg["Loss"]["num_classes"] != num_classes:
-        raise ConfigError(f"checkpoint {path} has {num_classes} classes, Loss.num_classes is "
-                          f"{cfg['Loss']['num_classes']}")
+    rank = pd.get_rank()
+    path, meta, k, num_classes = _checkpoint_to_clean(cfg, checkpoint)
     progress = show_progress(progress, cfg["Logging"]["progress_bar"], rank)
-
-    from .tasks import trained_backbone
-    run_cfg = copy.deepcopy(cfg)
-    run_cfg["Global"]["checkpoint"] = path
-    model = trained_backbone(run_cfg, backbone)
-    ds, kind = source_dataset(cfg)
+    ds, kind, cos, labels = _cosines(cfg, path, meta, k, backbone, progress)
     n = len(ds)
-    emb, labels = _embed_share(model, ds, n, cfg["Eval"]["batch_size"], cfg["Data"]["num_workers"],
-                               progress)
-    cos = subcenter_cosines(path, meta, emb, labels) if emb is not None else np.zeros((0, k), np.float32)
-    if world > 1:  # the [N, K] cosines and the labels, in data order, on every rank
-        # labels travel exactly in float64 (< 2^53)
-        both = gather_shares(np.concatenate([cos, labels[:, None]], axis=1).astype(np.float64), n)
-        cos, labels = both[:, :k].astype(np.float32), both[:, k].astype(np.int64)
     if rank != 0:  # rank 0 writes everything; no collective follows
         return None
 
@@ -304,15 +271,7 @@ def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
     plot = dict(bin_degrees=HIST_BIN_DEGREES, title=title)
     outputs["angles_png"] = save_angle_histogram_png(angles, kept, threshold, png, **plot)
     if cfg["Logging"]["visualdl"]:
-        from visualdl import LogWriter  # imported lazily: it is slow to import
-        step = int(meta.get("step", 0))
-        with LogWriter(logdir=os.path.join(out_dir, "vdl")) as writer:
-            writer.add_histogram("cleaning/angle_to_dominant_centre", angles, step,
-                                 buckets=int(180 / HIST_BIN_DEGREES))
-            writer.add_image("cleaning/angles", angle_histogram_image(angles, kept, threshold, **plot),
-                             step)
-            writer.add_scalar("cleaning/kept_fraction", summary["kept_fraction"], step)
-        outputs["visualdl"] = os.path.join(out_dir, "vdl")
+        outputs["visualdl"] = _log_visualdl(out_dir, meta, angles, kept, threshold, plot, summary)
     outputs["checkpoint_k1"] = write_k1_checkpoint(path, os.path.join(out_dir, "checkpoint_k1"),
                                                    dominant, cfg, meta)
     summary["outputs"] = outputs
@@ -320,3 +279,64 @@ def _clean(cfg, checkpoint, threshold, out_dir, progress, write_rec, backbone):
     summary["arrays"] = {"labels": labels, "picks": picks, "dominant": dominant, "angles": angles,
                          "kept": kept, "cosines": cos}
     return summary
+
+
+def _checkpoint_to_clean(cfg, checkpoint):
+    """(path, meta, K, classes) of the K-centre checkpoint every rank agreed on, checked
+    against the config."""
+    g = cfg["Global"]
+    value = checkpoint or g["checkpoint"] or "latest"
+    value = "latest" if value == "auto" else value
+    try:
+        path = agree_checkpoint(value, g["output_dir"], cfg["Checkpoint"]["verify"],
+                                warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr))
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"no checkpoint to clean with (checkpoint={value!r}): {err}") from None
+    meta = read_meta(path)
+    k = int(meta.get("sub_centers", 1))
+    if k == 1:
+        raise ConfigError(f"checkpoint {path} has sub_centers=1 (one centre per class): nothing to "
+                          "clean; train with -o Loss.sub_centers=3 (K > 1) first")
+    num_classes, dim = int(meta["num_classes"]), int(meta["embedding_size"])
+    first = rows_as_float32(load_head_rows(path, "weight", 0, 1, meta),
+                            head_dtype(path, "weight", meta))
+    if first.shape[1:] != (k, dim):
+        raise ValueError(f"checkpoint {path}: head weight rows have shape {first.shape[1:]}, "
+                         f"expected ({k}, {dim}) for sub_centers={k}")
+    if cfg["Loss"]["num_classes"] != num_classes:
+        raise ConfigError(f"checkpoint {path} has {num_classes} classes, Loss.num_classes is "
+                          f"{cfg['Loss']['num_classes']}")
+    return path, meta, k, num_classes
+
+
+def _cosines(cfg, path, meta, k, backbone, progress):
+    """(the training set, its kind, the [N, K] cosines of each sample to its class's K centres,
+    the labels), the last two on every rank in data order."""
+    from .tasks import trained_backbone
+    world = pd.get_world_size()
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg["Global"]["checkpoint"] = path
+    model = trained_backbone(run_cfg, backbone)
+    ds, kind = source_dataset(cfg)
+    n = len(ds)
+    emb, labels = _embed_share(model, ds, n, cfg["Eval"]["batch_size"], cfg["Data"]["num_workers"],
+                               progress)
+    cos = subcenter_cosines(path, meta, emb, labels) if emb is not None else np.zeros((0, k), np.float32)
+    if world > 1:  # the [N, K] cosines and the labels, in data order, on every rank
+        # labels travel exactly in float64 (< 2^53)
+        both = gather_shares(np.concatenate([cos, labels[:, None]], axis=1).astype(np.float64), n)
+        cos, labels = both[:, :k].astype(np.float32), both[:, k].astype(np.int64)
+    return ds, kind, cos, labels
+
+
+def _log_visualdl(out_dir, meta, angles, kept, threshold, plot, summary):
+    """The angles' histogram, its plot and the kept fraction to VisualDL; returns its folder."""
+    from visualdl import LogWriter  # imported lazily: it is slow to import
+    step = int(meta.get("step", 0))
+    with LogWriter(logdir=os.path.join(out_dir, "vdl")) as writer:
+        writer.add_histogram("cleaning/angle_to_dominant_centre", angles, step,
+                             buckets=int(180 / HIST_BIN_DEGREES))
+        writer.add_image("cleaning/angles", angle_histogram_image(angles, kept, threshold, **plot),
+                         step)
+        writer.add_scalar("cleaning/kept_fraction", summary["kept_fraction"], step)
+    return os.path.join(out_dir, "vdl")

@@ -28,7 +28,7 @@ __all__ = ["read_noise_list", "drop_noise", "load_set", "format_megaface_table",
 
 
 def read_noise_list(path):
-    """The entries of a noise list (insightface's format: one path a line)."""
+    """The entries of a noise list (insightface's format: one path per line)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"noise list {path} does not exist")
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -113,6 +113,33 @@ def evaluate_megaface(cfg, probes, distractors, probe_noise=None, distractor_noi
     """Run the protocol (see the module); returns the result on every rank."""
     out = sys.stdout if out is None else out
     runtime.start(cfg)
+    (p, labels, p_paths), (d, d_paths), dropped = _load_sets(
+        cfg, probes, distractors, probe_noise, distractor_noise, onnx, onnx_input)
+    rank0 = pd.get_rank() == 0
+    if save_embeddings and rank0:
+        _save_embeddings(save_embeddings, p, labels, p_paths, d, d_paths)
+    t0 = time.perf_counter()
+    try:
+        report = megaface_report(p, labels, d, counts, fars, comm=RankComm())
+    except ValueError as err:
+        raise DataError(f"{probes} / {distractors}: {err}") from None
+    seconds = time.perf_counter() - t0
+    far, tar = report.pop("roc")
+    result = {"num_probes": len(p), "num_distractors": len(d), "dropped_as_noise": dropped,
+              "searches": report["searches"], "genuine_pairs": report["genuine_pairs"],
+              "impostor_pairs": report["impostor_pairs"],
+              "counts": {str(c): v for c, v in report["counts"].items()},
+              "cmc": {str(r): v for r, v in report["cmc"].items()},
+              "tar_at_far": {format(f, "g"): v for f, v in report["tar_at_far"].items()},
+              "scan_seconds": seconds, "world_size": pd.get_world_size()}
+    if rank0:
+        _write_outputs(cfg, result, far, tar, step, out)
+    return result
+
+
+def _load_sets(cfg, probes, distractors, probe_noise, distractor_noise, onnx, onnx_input):
+    """((probe embeddings, labels, paths), (distractor embeddings, paths), {set: rows dropped})
+    with the rows of the noise lists left out (paths None where unknown)."""
     holder = {}
 
     def model_box():
@@ -134,52 +161,44 @@ def evaluate_megaface(cfg, probes, distractors, probe_noise=None, distractor_noi
                 p, labels, p_paths = p[keep], labels[keep], [q for q, k in zip(p_paths, keep) if k]
             else:
                 d, d_paths = d[keep], [q for q, k in zip(d_paths, keep) if k]
-    rank0 = pd.get_rank() == 0
-    if save_embeddings and rank0:
-        for name, x, paths in (("probes", p, p_paths), ("distractors", d, d_paths)):
-            write_npy(f"{save_embeddings}_{name}.npy", x)
-            if paths is not None:
-                atomic_write(f"{save_embeddings}_{name}_paths.txt", "".join(q + "\n" for q in paths))
-        write_npy(f"{save_embeddings}_probes_labels.npy", labels)
-    t0 = time.perf_counter()
-    try:
-        report = megaface_report(p, labels, d, counts, fars, comm=RankComm())
-    except ValueError as err:
-        raise DataError(f"{probes} / {distractors}: {err}") from None
-    seconds = time.perf_counter() - t0
-    far, tar = report.pop("roc")
-    result = {"num_probes": len(p), "num_distractors": len(d), "dropped_as_noise": dropped,
-              "searches": report["searches"], "genuine_pairs": report["genuine_pairs"],
-              "impostor_pairs": report["impostor_pairs"],
-              "counts": {str(c): v for c, v in report["counts"].items()},
-              "cmc": {str(r): v for r, v in report["cmc"].items()},
-              "tar_at_far": {format(f, "g"): v for f, v in report["tar_at_far"].items()},
-              "scan_seconds": seconds, "world_size": pd.get_world_size()}
-    if rank0:
-        out_dir = cfg["Global"]["output_dir"]
-        os.makedirs(out_dir, exist_ok=True)
-        stem = os.path.join(out_dir, "megaface")
-        cmc_img = curve_image({"CMC": ([int(r) for r in result["cmc"]], list(result["cmc"].values()))},
-                              "rank", "identification rate")
-        rank1_img = curve_image({"rank-1": ([int(c) for c in result["counts"]],
-                                            list(result["counts"].values()))},
-                                "distractors", "rank-1", log_x=True)
-        roc_img = roc_image({"MegaFace": (far, tar)}, far_min=10.0 ** np.floor(np.log10(far[far > 0].min()))
-                            if (far > 0).any() else 1e-6)
-        write_json(stem + "_result.json", result)
-        _png(stem + "_cmc.png", cmc_img)
-        _png(stem + "_rank1.png", rank1_img)
-        _png(stem + "_roc.png", roc_img)
-        if cfg["Logging"]["visualdl"]:
-            from visualdl import LogWriter
-            with LogWriter(logdir=os.path.join(out_dir, "vdl"), filename_suffix=f".megaface.{os.getpid()}") as w:
-                for c, v in result["counts"].items():
-                    w.add_scalar(tag=f"megaface/rank1_at_{c}", value=float(v), step=int(step))
-                for f, v in result["tar_at_far"].items():
-                    w.add_scalar(tag=f"megaface/tar_at_far_{f}", value=float(v["tar"]), step=int(step))
-                w.add_image(tag="megaface/cmc", img=cmc_img, step=int(step))
-                w.add_image(tag="megaface/rank1", img=rank1_img, step=int(step))
-                w.add_image(tag="megaface/roc", img=roc_img, step=int(step))
-        out.write(format_megaface_table(result) + f"\nresults: {stem}_result.json, {stem}_cmc.png, "
-                  f"{stem}_rank1.png, {stem}_roc.png\n")
-    return result
+    return (p, labels, p_paths), (d, d_paths), dropped
+
+
+def _save_embeddings(save_embeddings, p, labels, p_paths, d, d_paths):
+    """`<save_embeddings>_{probes,distractors}.npy` (with their paths) and the probe labels."""
+    for name, x, paths in (("probes", p, p_paths), ("distractors", d, d_paths)):
+        write_npy(f"{save_embeddings}_{name}.npy", x)
+        if paths is not None:
+            atomic_write(f"{save_embeddings}_{name}_paths.txt", "".join(q + "\n" for q in paths))
+    write_npy(f"{save_embeddings}_probes_labels.npy", labels)
+
+
+def _write_outputs(cfg, result, far, tar, step, out):
+    """Rank 0: the result's JSON, its CMC, rank-1 and ROC plots (also to VisualDL) and its
+    table on `out`."""
+    out_dir = cfg["Global"]["output_dir"]
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "megaface")
+    cmc_img = curve_image({"CMC": ([int(r) for r in result["cmc"]], list(result["cmc"].values()))},
+                          "rank", "identification rate")
+    rank1_img = curve_image({"rank-1": ([int(c) for c in result["counts"]],
+                                        list(result["counts"].values()))},
+                            "distractors", "rank-1", log_x=True)
+    roc_img = roc_image({"MegaFace": (far, tar)}, far_min=10.0 ** np.floor(np.log10(far[far > 0].min()))
+                        if (far > 0).any() else 1e-6)
+    write_json(stem + "_result.json", result)
+    _png(stem + "_cmc.png", cmc_img)
+    _png(stem + "_rank1.png", rank1_img)
+    _png(stem + "_roc.png", roc_img)
+    if cfg["Logging"]["visualdl"]:
+        from visualdl import LogWriter
+        with LogWriter(logdir=os.path.join(out_dir, "vdl"), filename_suffix=f".megaface.{os.getpid()}") as w:
+            for c, v in result["counts"].items():
+                w.add_scalar(tag=f"megaface/rank1_at_{c}", value=float(v), step=int(step))
+            for f, v in result["tar_at_far"].items():
+                w.add_scalar(tag=f"megaface/tar_at_far_{f}", value=float(v["tar"]), step=int(step))
+            w.add_image(tag="megaface/cmc", img=cmc_img, step=int(step))
+            w.add_image(tag="megaface/rank1", img=rank1_img, step=int(step))
+            w.add_image(tag="megaface/roc", img=roc_img, step=int(step))
+    out.write(format_megaface_table(result) + f"\nresults: {stem}_result.json, {stem}_cmc.png, "
+              f"{stem}_rank1.png, {stem}_roc.png\n")

@@ -100,7 +100,7 @@ def query(cfg, index_path, queries, output, k=10, threshold_value=None, nonmated
 
 def read_names(source):
     """Identity names: the sub-folders of a folder (an image-folder dataset), or the lines of a
-    text file (one name a line; blank lines skipped)."""
+    text file (one name per line; blank lines skipped)."""
     if os.path.isdir(source):
         return sorted(e.name for e in os.scandir(source) if e.is_dir())
     if not os.path.isfile(source):

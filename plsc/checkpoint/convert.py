@@ -216,7 +216,7 @@ def write_k1_checkpoint(src, dst, dominant, cfg=None, meta=None):
             if name not in zeros_like_first:
                 zeros_like_first[name] = load_head_rows(src, name, 0, 1, meta)
             first = zeros_like_first[name]  # [1, K, ...]
-            rest = first.shape[2:]  # [1, K, 1]: a number a centre (AdamW's step count), 1-D at K = 1
+            rest = first.shape[2:]  # [1, K, 1]: a number per centre (AdamW's step count), 1-D at K = 1
             return np.zeros((count,) + (() if int(np.prod(rest)) == 1 else rest), first.dtype)
         return load_head_rows(src, name, start, count, meta)
 

@@ -191,8 +191,8 @@ class DataLoader:
     each. `on_skip(messages)` receives the samples the dataset skipped, batch by batch.
 
     Each batch is a new set of tensors, unless `reuse` > 0: then batches are copied into
-    `reuse` sets of tensors made once and used in turn (a fresh 5 MB tensor costs page faults
-    on every batch: about 5 ms, against 0.1 ms to overwrite one), so a batch's tensors are
+    `reuse` sets of tensors made once and used in turn (a fresh tensor costs page faults on
+    every batch, far more than overwriting one: docs/performance.md), so a batch's tensors are
     overwritten `reuse` batches later -- only for a caller that holds fewer batches at once
     (the trainer: its micro-batches, plus one being prefetched)."""
 

@@ -199,8 +199,8 @@ def write_ijb_1n_lists(root, target, ref):
 def generate_megaface(root, num_identities=6, images_per_identity=(3, 6), num_distractors=40, face_size=48,
                       seed=0):
     """A FaceScrub/MegaFace-like pair under `root`: ``probes/<identity>/<k>.jpg`` (identity
-    folders), ``distractors/<k>.jpg`` named by ``distractors.txt`` (one path a line, relative to
-    `root`), and noise lists in insightface's format (one path a line):
+    folders), ``distractors/<k>.jpg`` named by ``distractors.txt`` (one path per line, relative to
+    `root`), and noise lists in insightface's format (one path per line):
     ``facescrub_noises.txt`` (one probe image) and ``megaface_noises.txt`` (two distractors).
     Distractors are rendered from identities of their own. Returns the paths and counts."""
     rng = np.random.default_rng(seed)

@@ -98,19 +98,22 @@ def allpairs_tar_at_far(embeddings, labels, fars=ALLPAIRS_FARS, normalize=True,
     # every rank's largest `need` impostors are enough to rank the global top `need`
     local = imp if len(imp) <= need else np.partition(imp, len(imp) - need)[len(imp) - need:]
     top = np.sort(comm.concat(local.astype(np.float32)))[::-1]
-    out = {}
-    for f in fars:
-        m = count_at_rate(f, impostors)
-        t = -np.inf if m >= impostors else float(top[m])
-        counts = comm.sum(np.array([np.count_nonzero(imp > t), np.count_nonzero(gen > t)],
-                                   np.int64))
-        fa, ta = int(counts[0]), int(counts[1])
-        if t == -np.inf:
-            fa, ta = impostors, genuine
-        out[f] = {"tar": ta / genuine, "threshold": t, "false_accepts": fa, "far": fa / impostors,
-                  "true_accepts": ta}
+    out = {f: _at_rate(f, top, imp, gen, impostors, genuine, comm) for f in fars}
     if stats is not None:
         stats.update(genuine=genuine, impostors=impostors, bound=bound, kept=kept,
                      blocks=len(mine), block=(rows, cols),
                      flops=2.0 * x.shape[1] * sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in mine))
     return out
+
+
+def _at_rate(f, top, imp, gen, impostors, genuine, comm):
+    """The result at FAR `f`: the threshold from the global largest impostor scores `top`
+    (descending), the accepts counted over every rank's kept scores `imp` and `gen`."""
+    m = count_at_rate(f, impostors)
+    t = -np.inf if m >= impostors else float(top[m])
+    counts = comm.sum(np.array([np.count_nonzero(imp > t), np.count_nonzero(gen > t)], np.int64))
+    fa, ta = int(counts[0]), int(counts[1])
+    if t == -np.inf:
+        fa, ta = impostors, genuine
+    return {"tar": ta / genuine, "threshold": t, "false_accepts": fa, "far": fa / impostors,
+            "true_accepts": ta}

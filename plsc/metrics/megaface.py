@@ -54,6 +54,31 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
     "threshold", "false_accepts"}}, "roc": (far, tar) from FAR 1/M to `roc_far_max`, "searches",
     "genuine_pairs", "impostor_pairs"}. Distractor blocks are shared by the ranks of `comm`."""
     comm = comm or LocalComm()
+    p, labels, d = _inputs(probes, probe_labels, distractors, normalize)
+    n_p, n_d = len(p), len(d)
+    counts = distractor_counts(n_d, counts)
+    gen_s, gen_row, gen_pairs = _genuine(p, labels)
+    impostors = n_p * n_d
+    fars = [float(f) for f in fars]
+    need = max([count_at_rate(f, impostors) for f in fars + [roc_far_max]]) + 1
+    bound = _pilot_bound(p, d, need, impostors, seed, comm)
+    seg_max, segments, top, kept = _scan(p, d, counts, bound, need, impostors, max_rank,
+                                         block_bytes, comm)
+    seg_max = comm.max(seg_max)
+    local = kept if len(kept) <= need else np.partition(kept, len(kept) - need)[len(kept) - need:]
+    imp = np.sort(comm.concat(local))[::-1]
+    # the global top-R distractors of each probe: every rank's, merged
+    all_top = comm.concat(top.scores.reshape(-1)).reshape(comm.world, n_p, max_rank)
+    top_r = np.sort(np.concatenate(list(all_top), axis=1), axis=1)[:, ::-1][:, :max_rank]
+    out = {"searches": int(len(gen_s)), "genuine_pairs": int(len(gen_pairs)),
+           "impostor_pairs": int(impostors), "counts": {}, "cmc": {}, "tar_at_far": {}}
+    _identification(out, counts, n_d, segments, seg_max, top_r, gen_s, gen_row, max_rank)
+    _verification(out, fars, imp, impostors, gen_pairs, roc_far_max)
+    return out
+
+
+def _inputs(probes, probe_labels, distractors, normalize):
+    """(probe embeddings, their labels, distractor embeddings), checked and prepared."""
     p = prepare_embeddings(probes, "probe embeddings", normalize)
     d = prepare_embeddings(distractors, "distractor embeddings", normalize)
     labels = np.asarray(probe_labels).reshape(-1)
@@ -61,21 +86,29 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
         raise ValueError(f"{len(labels)} probe labels for {len(p)} probe embeddings")
     if p.shape[1] != d.shape[1]:
         raise ValueError(f"probe embeddings are {p.shape[1]}-d, distractor embeddings {d.shape[1]}-d")
-    n_p, n_d = len(p), len(d)
-    if n_d == 0:
+    if len(d) == 0:
         raise ValueError("no distractors")
-    counts = distractor_counts(n_d, counts)
-    gen_s, gen_row, gen_pairs = _genuine(p, labels)
-    impostors = n_p * n_d
-    fars = [float(f) for f in fars]
-    need = max([count_at_rate(f, impostors) for f in fars + [roc_far_max]]) + 1
-    # the pilot: a bound that some 4·need impostor scores pass, from a sample of distractors
+    return p, labels, d
+
+
+def _pilot_bound(p, d, need, impostors, seed, comm):
+    """The pilot: a bound that some 4·need impostor scores pass, from a sample of distractors
+    (the largest over the ranks)."""
+    n_p, n_d = len(p), len(d)
     rng = np.random.default_rng(seed)
     sample = d[np.sort(rng.choice(n_d, min(n_d, max(64, (4 << 20) // n_p)), replace=False))]
     ps = (p @ sample.T).reshape(-1)
     want = int(math.ceil(4.0 * need / impostors * len(ps))) + 64
     bound = -np.inf if want >= len(ps) else float(np.partition(ps, len(ps) - want)[len(ps) - want])
-    bound = float(comm.max(np.array([bound]))[0])
+    return float(comm.max(np.array([bound]))[0])
+
+
+def _scan(p, d, counts, bound, need, impostors, max_rank, block_bytes, comm):
+    """One pass over this rank's share of the (probe rows, distractor segment) blocks, again
+    without a bound when too few impostor scores pass it: (each segment's maximum of each
+    probe [segments, P] (this rank's, for the segments below the last count), the segments
+    (c0, c1), this rank's `TopK` of each probe, the impostor scores above the bound)."""
+    n_p, n_d = len(p), len(d)
     cols = max(1, min(8192, block_bytes // 4 // max(n_p, 1)))
     edges = sorted(set(counts) | set(range(0, n_d, cols)) | {0})
     segments = list(zip(edges[:-1], edges[1:]))
@@ -114,22 +147,24 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
             break
         bound = -np.inf  # the pilot's bound was too high: scan again keeping every score
         top = TopK(n_p, max_rank)
-    seg_max = comm.max(seg_max)
-    local = kept if len(kept) <= need else np.partition(kept, len(kept) - need)[len(kept) - need:]
-    imp = np.sort(comm.concat(local))[::-1]
-    # the global top-R distractors of each probe: every rank's, merged
-    all_top = comm.concat(top.scores.reshape(-1)).reshape(comm.world, n_p, max_rank)
-    top_r = np.sort(np.concatenate(list(all_top), axis=1), axis=1)[:, ::-1][:, :max_rank]
+    return seg_max, segments, top, kept
+
+
+def _identification(out, counts, n_d, segments, seg_max, top_r, gen_s, gen_row, max_rank):
+    """Fill `out`'s rank-1 at each distractor count and CMC."""
     ends = np.array([c1 for _, c1 in segments])
     prefix = np.maximum.accumulate(seg_max, axis=0)
-    out = {"searches": int(len(gen_s)), "genuine_pairs": int(len(gen_pairs)),
-           "impostor_pairs": int(impostors), "counts": {}, "cmc": {}, "tar_at_far": {}}
     for c in counts:
         best = top_r[:, 0] if c == n_d else prefix[int(np.flatnonzero(ends == c)[0])]
         out["counts"][c] = float(np.mean(gen_s > best[gen_row]))
     ahead = (top_r[gen_row] >= gen_s[:, None]).sum(axis=1)
     for r in range(1, max_rank + 1):
         out["cmc"][r] = float(np.mean(ahead < r))
+
+
+def _verification(out, fars, imp, impostors, gen_pairs, roc_far_max):
+    """Fill `out`'s TAR at each FAR and ROC from the largest impostor scores `imp`
+    (descending)."""
 
     def at(f):
         m = count_at_rate(f, impostors)
@@ -145,4 +180,3 @@ def megaface_report(probes, probe_labels, distractors, counts=MEGAFACE_COUNTS, f
     roc = [at(f) for f in grid]
     out["roc"] = (np.array([fa / impostors for _, fa in roc]),
                   np.array([float(np.mean(gen_pairs > t)) for t, _ in roc]))
-    return out

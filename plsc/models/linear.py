@@ -2,11 +2,11 @@
 CPU kernel set.
 
 Paddle 3.3 computes a linear layer as a matmul and a broadcast add; the add's gradient sums the
-output gradient over its rows with a reduction that takes ~40x a GEMV of the same data on this
-project's CPU (docs/performance.md: ViT-T). `Linear` keeps `nn.Linear`'s parameters, names and
-initialisation; on float32 CPU tensors under the CPU kernel set
-(`plsc.cpu_kernels.applies`), while not traced by `to_static`, its forward and backward are
-one PyLayer of GEMMs: y = x·W + b, dx = g·Wᵀ, dW = xᵀ·g, db = 1ᵀ·g. Every other tensor takes
+output gradient over its rows with a reduction many times slower than a GEMV of the same data
+(timings: docs/performance.md, "plsc's own CPU kernels, measured"). `Linear` keeps `nn.Linear`'s
+parameters, names and initialisation; on float32 CPU tensors under the CPU kernel set
+(`plsc.cpu_kernels.applies`), while not traced by `to_static`, its forward and backward are one
+PyLayer of GEMMs: y = x·W + b, dx = g·Wᵀ, dW = xᵀ·g, db = 1ᵀ·g. Every other tensor takes
 `nn.Linear`'s own forward.
 """
 import paddle

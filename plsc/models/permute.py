@@ -1,11 +1,11 @@
 """A transpose that hands on a dense tensor, copied by numpy on the CPU kernel set.
 
-Paddle 3.3's `transpose` returns a strided view; the next op that needs dense memory (a
-reshape, a matmul, the gradient of either) copies it with Paddle's strided-copy kernel, which
-on this project's CPU is 30-40x slower than numpy's copy of the same view (docs/performance.md:
-ViT-T). `permute` returns the permuted tensor already dense: on float32 CPU tensors under the
-CPU kernel set (`plsc.cpu_kernels.applies`) a PyLayer whose forward and backward are numpy
-copies (the backward with the inverse permutation); otherwise Paddle's `transpose` followed by
+Paddle 3.3's `transpose` returns a strided view; the next op that needs dense memory (a reshape, a
+matmul, the gradient of either) copies it with Paddle's strided-copy kernel, which is many times
+slower than numpy's copy of the same view (timings: docs/performance.md, "plsc's own CPU kernels,
+measured"). `permute` returns the permuted tensor already dense: on float32 CPU tensors under the
+CPU kernel set (`plsc.cpu_kernels.applies`) a PyLayer whose forward and backward are numpy copies
+(the backward with the inverse permutation); otherwise Paddle's `transpose` followed by
 `contiguous`.
 """
 import numpy as np

@@ -1,10 +1,10 @@
 """PReLU whose CPU kernels are several times faster than Paddle 3.3's, with the same results.
 
-Paddle 3.3's CPU prelu is a scalar loop on one thread: on [32, 64, 112, 112] (IResNet's stem at
-batch 32) it took 0.19 s forward and 0.39 s backward on this project's 2-core AMD machine,
-23 % of an IResNet18 training step. Here, on float32 CPU tensors whose slopes all lie in
-[0, 1] (the init is 0.25), the work is done by numpy on the tensors' own memory (DLPack, no
-copy), in slabs of rows that stay in cache, split over the rank's CPU threads:
+Paddle 3.3's CPU prelu is a scalar loop on one thread, a large share of an IResNet training step
+on the CPU (timings: docs/performance.md, "plsc's own CPU kernels, measured"). Here, on float32
+CPU tensors whose slopes all lie in [0, 1] (the init is 0.25), the work is done by numpy on the
+tensors' own memory (DLPack, no copy), in slabs of rows that stay in cache, split over the
+rank's CPU threads:
 
     forward   y = max(x, a·x)                       (= x if x > 0 else a·x, for 0 ≤ a ≤ 1)
     backward  dx = g·s,  s = [x > 0]·(1 − a) + a     (s is exactly 1 or a for 0 ≤ a ≤ 1)

@@ -70,7 +70,7 @@ def _signed(v):
 
 
 def _const(value, place, dtype="int64"):
-    """A 0-d tensor `value` of `dtype` on `place`, made once (no copy to the device a call).
+    """A 0-d tensor `value` of `dtype` on `place`, made once (no copy to the device per call).
     A Python int in an int64 op would pass through a float and lose bits above 2^53; a tensor
     operand multiplies and adds modulo 2^64."""
     key = (value, str(place), dtype)

@@ -11,13 +11,13 @@ The formulas are Paddle's: `Momentum` with L2 weight decay added to the
 gradient, and `AdamW` with decoupled decay.
 
 Storage is not compute: the weight and the optimizer state may be stored in
-bfloat16, float16 or 8 bits a value with a scale a row (`plsc.quantized`). Each
+bfloat16, float16 or 8 bits per value with a scale per row (`plsc.quantized`). Each
 chunk's rows are read as float32, updated in float32, and written back rounded to
 their storage (`plsc.optim.rounding`; stochastically by default, with random bits
 that depend on the optimizer's own step count, the head's rank and the row, so a
 resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
 8-bit state uses the map `int8_maps` names for it (AdamW's moments are
-logarithmic, see `plsc.quantized`); state with one value a row (the bias's, AdamW's
+logarithmic, see `plsc.quantized`); state with one value per row (the bias's, AdamW's
 step counts) stays float32. Gradients may come in any float dtype and are upcast.
 Float32 storage is neither rounded nor changed in any bit.
 
@@ -29,20 +29,19 @@ by a stable sort instead of `unique`: no host read, no data-dependent shape. Bot
 float32 operations on each row, so they give the same bits.
 """
 import math
-import zlib
 
 import paddle
 
 from .. import cpu_setup, storage
 from ..cpu_kernels import all_finite, cpu_set, finite_flag
 from ..numerics import sqrt_exact, to_float32
-from .rounding import BitsBatch, StochasticBits, round_stacked
+from .rows import Rows, head_params, head_rows, merge_sorted, merge_unique, row_index
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
 _CHUNK = 1024  # rows updated at a time on the CPU set: temporaries stay cache-sized
 # On the device set a slab is `plsc.storage.slab_rows` (its byte budget, 256 MiB of float32
-# rows): the update is a fixed number of Paddle ops a slab, whatever the rows.
+# rows): the update is a fixed number of Paddle ops per slab, whatever the rows.
 
 
 class SparseRowOptimizer:
@@ -74,7 +73,7 @@ class SparseRowOptimizer:
         self._state = {}
         self._stash = {}
         self._fused_counts = [0, 0]  # slabs of the last fused update: applied, skipped (CPU)
-        self._fused_flags = []  # 0-d bool tensors, a slab each: its gradient was finite
+        self._fused_flags = []  # 0-d bool tensors, one per slab: its gradient was finite
 
     @property
     def fused_applied(self):
@@ -100,7 +99,7 @@ class SparseRowOptimizer:
     def stash(self, head):
         """Keep the sampled rows' gradients of a micro-batch for the next `step`
         (gradient accumulation with Partial FC: each micro-batch samples anew)."""
-        for name, _, index, grad in _head_rows(head):
+        for name, _, index, grad in head_rows(head):
             if index is not None and grad is not None:
                 self._stash.setdefault(name, []).append((index, grad))
         head.release_sampled_rows(gradients_kept=True)
@@ -143,7 +142,7 @@ class SparseRowOptimizer:
             for name, param, grad in (("weight", head.weight, weight_grad),
                                       ("bias", head.bias, bias_grad)):
                 if grad is not None:
-                    self._apply(name, param, head.rank, _row_index(head, name), lo, grad, lr,
+                    self._apply(name, param, head.rank, row_index(head, name), lo, grad, lr,
                                 grad_scale, keep)
         return update
 
@@ -168,7 +167,7 @@ class SparseRowOptimizer:
                 storage.slab_rows(grad.size // max(1, grad.shape[0]), grad)
             for start in range(lo, hi, step):
                 stop = min(start + step, hi)
-                rows = _Rows(self, name, rank, index, start, stop, keep,
+                rows = Rows(self, name, rank, index, start, stop, keep,
                              dict(state, **{"": param}))
                 part = grad if (start, stop) == (lo, hi) else grad[start - lo:stop - lo]
                 self._update(param, state, rows, part, lr)
@@ -182,7 +181,7 @@ class SparseRowOptimizer:
 
     def _pending(self, head):
         """(name, parameter, [(row index or None, gradient rows), ...]) awaiting `step`."""
-        for name, param, index, grad in _head_rows(head):
+        for name, param, index, grad in head_rows(head):
             parts = list(self._stash.get(name, ()))
             if grad is not None:
                 parts.append((index, grad))
@@ -197,8 +196,8 @@ class SparseRowOptimizer:
                 continue
             index = paddle.concat([p[0] for p in parts])
             grads = paddle.concat([to_float32(p[1]) for p in parts])
-            yield (name, param) + (_merge_unique(index, grads) if cpu_set(index, grads)
-                                   else _merge_sorted(index, grads))
+            yield (name, param) + (merge_unique(index, grads) if cpu_set(index, grads)
+                                   else merge_sorted(index, grads))
 
     def all_gradients_finite(self, head):
         """A 0-d bool tensor: every gradient the next `step` would apply is finite (this
@@ -209,7 +208,7 @@ class SparseRowOptimizer:
     def init_state(self, head):
         """Create the state of the head's arrays (zeros, in their storage dtype) where missing,
         and return `state_dict()`: a resume fills these tensors in place."""
-        for name, param in _head_params(head):
+        for name, param in head_params(head):
             self._state_for(name, param)
         return self.state_dict()
 
@@ -223,7 +222,7 @@ class SparseRowOptimizer:
 
     def _zeros(self, key, shape, dtype):
         """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
-        axes only, with the map `int8_maps` names; a value a row stays float32)."""
+        axes only, with the map `int8_maps` names; one value per row stays float32)."""
         return storage.zeros(shape, "int8" if dtype.startswith(("int8", "uint8")) else dtype,
                              self.int8_maps.get(key, "int8"))
 
@@ -251,122 +250,6 @@ class SparseRowOptimizer:
                 continue
             name, key = full.rsplit(".", 1)
             self._state.setdefault(name, {})[key] = storage.as_array(value)
-
-
-def _row_index(head, name):
-    """Rows of the head's array `name` that the last step used (None: all of them)."""
-    return head.sampled_rows if name == "weight" else head.sampled_index
-
-
-def _head_params(head):
-    """(name, parameter) of the head's row arrays."""
-    yield "weight", head.weight
-    if head.bias is not None:
-        yield "bias", head.bias
-
-
-def _head_rows(head):
-    """(name, parameter, row index or None for all rows, the last backward's gradient of those
-    rows or None)."""
-    for name, param in _head_params(head):
-        yield name, param, _row_index(head, name), head.row_gradient(name)
-
-
-def _merge_unique(index, grads):
-    """(sorted unique rows of `index`, their summed gradient rows): the CPU set's merge."""
-    unique, inverse = paddle.unique(index, return_inverse=True)
-    summed = paddle.zeros([unique.shape[0]] + list(grads.shape[1:]), dtype=grads.dtype)
-    return unique, summed.index_add_(inverse.reshape([-1]), 0, grads)
-
-
-def _merge_sorted(index, grads):
-    """(`index` sorted, with its repeats; each entry's row's summed gradient): the device
-    set's merge, of a fixed size. A repeated row gets the same gradient at each of its entries,
-    so every write of it stores the same values; each row's parts are summed in their order
-    (a stable sort), as `_merge_unique` sums them."""
-    order = paddle.argsort(index, stable=True)
-    ordered = paddle.gather(index, order)
-    starts = paddle.concat([paddle.ones([1], "int64"),
-                            (ordered[1:] != ordered[:-1]).astype("int64")])
-    segment = paddle.cumsum(starts) - 1
-    summed = paddle.zeros(grads.shape, grads.dtype).index_add_(segment, 0,
-                                                               paddle.gather(grads, order))
-    return ordered, paddle.gather(summed, segment)
-
-
-class _Rows:
-    """A chunk of rows of the parameter `name` (`index[start:stop]`, or rows start..stop
-    without an index): reads them from any head array as float32 and writes float32 values
-    back in the array's storage (`plsc.storage`), rounded with bits of (seed, stream of the
-    array, step, rank, row); with `keep` (a 0-d bool tensor) true, as they were read."""
-
-    def __init__(self, opt, name, rank, index, start, stop, keep=None, arrays=None):
-        self.opt, self.name, self.rank, self.keep = opt, name, rank, keep
-        self.index = index[start:stop] if index is not None else None
-        self.start, self.stop = start, stop
-        self.batch = None
-        self._pending = []  # 16-bit writes rounded together by `flush` (the device set)
-        if arrays and opt.rounding == "stochastic" and self.index is not None \
-                and not cpu_set(self.index):
-            # The device set hashes the random bits of every rounded array of these rows
-            # at once (the same bits as one array at a time).
-            streams = {_stream(name, key): storage.name(t) for key, t in arrays.items()
-                       if not storage.is_float32(t) and len(t.shape) > 1}
-            if len(streams) > 1:
-                width = math.prod(arrays[""].shape[1:])
-                self.batch = BitsBatch(opt.seed, opt.step_count, rank, self.index, width,
-                                       streams)
-
-    def read(self, t):
-        return storage.read(t, self.start, self.stop) if self.index is None \
-            else storage.take(t, self.index)
-
-    def write(self, t, value, key=""):
-        """Store `value` (float32) in these rows of `t`, the array `key` of the parameter
-        ("": the parameter itself)."""
-        bits = None
-        if not storage.is_float32(t):
-            self.opt._rounded = True
-            if self.opt.rounding == "stochastic":
-                if self.batch is not None and storage.name(t) in ("bfloat16", "float16") \
-                        and value.ndim == 2:
-                    self._pending.append((t, value, key))
-                    return
-                bits = StochasticBits(self.opt.seed, _stream(self.name, key),
-                                      self.opt.step_count, self.rank, self.batch)
-        storage.put(t, self.start if self.index is None else self.index, value, bits,
-                    self.keep)
-
-    def flush(self):
-        """Store the deferred 16-bit writes (device set, stochastic rounding): arrays whose
-        bits `BitsBatch` drew in one extraction are rounded together in one pass (their bits
-        are the ones each would get alone), then stored one by one."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        by_stream = {_stream(self.name, key): (t, value) for t, value, key in pending}
-        order = [s for s in self.batch.streams if s in by_stream] + \
-            [s for s in by_stream if s not in self.batch.streams]
-        bits = self.batch.stacked(order) if len(order) > 1 else None
-        if bits is None or len({storage.name(by_stream[s][0]) for s in order}) > 1:
-            for stream in order:
-                t, value = by_stream[stream]
-                storage.put(t, self.index, value,
-                            StochasticBits(self.opt.seed, stream, self.opt.step_count,
-                                           self.rank, self.batch), self.keep)
-            return
-        values = paddle.stack([storage.kept(by_stream[s][0], self.index, by_stream[s][1],
-                                            self.keep) for s in order])
-        rounded = round_stacked(values, by_stream[order[0]][0].dtype, bits)
-        if rounded.shape[-1] % 2 == 0:  # the arrays' rows as int32 pairs, split in one op
-            rounded = paddle.unbind(rounded.view("int32"), 0)
-        for j, stream in enumerate(order):
-            storage.put(by_stream[stream][0], self.index, rounded[j])
-
-
-def _stream(name, key):
-    """The random stream of array `key` of parameter `name` ("": the parameter itself)."""
-    return zlib.crc32(f"{name}.{key}".encode())
 
 
 class SparseMomentum(SparseRowOptimizer):

@@ -7,29 +7,27 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import cpu_setup, runtime, startup
+from .. import cpu_setup, runtime
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
 from ..data.tensors import to_tensor
 from ..nn import PartialFC
-from ..storage import all_rows_finite
 from ..optim.schedule import StepLR, make_lr_fn
-from ..checkpoint import (CheckpointManager, CheckpointSaveError, agree_checkpoint, find_checkpoint,
-                          load_head_rows_into, local_optimizer_state, portable_optimizer_state,
-                          remove_leftovers, repair_latest, restore_rng, save_best, training_meta)
-from ..checkpoint.layout import is_centre_array, state_array
+from ..checkpoint import (CheckpointManager, agree_checkpoint, remove_leftovers, repair_latest,
+                          save_best)
 from ..checkpoint.lock import claim_folder
-from ..data import PeerDataError
 from ..embedding import VerificationEvaluator
 from ..fileio import atomic_write
 from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
-from .divergence import Diverged, NonFiniteSteps
+from .checkpointing import Checkpointing
+from .divergence import NonFiniteSteps
 from .grad_sync import OverlappedSum
 from .logger import TrainLogger, visualdl_dir
-from .preemption import Preempted, RankLost, StopSignals, host_group, peer_failure
+from .preemption import StopSignals, host_group
+from .stopping import Stopping, reports_lost_ranks
 
 __all__ = ["Trainer"]
 
@@ -61,18 +59,7 @@ def _closed_on_error(init):
     return wrapper
 
 
-def _reports_lost_ranks(init):
-    """`Trainer.__init__` (start-up: process group, checkpoint agreement, every collective
-    before the first step) with a rank that stops answering reported as in training:
-    `RankLost`, one line, exit status 69."""
-    @functools.wraps(init)
-    def start(self, *args, **kwargs):
-        with self._rank_failures(starting=True):
-            init(self, *args, **kwargs)
-    return start
-
-
-class Trainer:
+class Trainer(Checkpointing, Stopping):
     """Builds everything a config describes and trains it.
 
     `backbone` may be given as a `paddle.nn.Layer` instead of `Model.name`.
@@ -80,11 +67,11 @@ class Trainer:
     returns or raises, `close()`, or the end of the object.
     """
 
-    @_reports_lost_ranks
+    @reports_lost_ranks
     @_closed_on_error
     def __init__(self, cfg, backbone=None):
         self.cfg = cfg
-        g, d, o = cfg["Global"], cfg["Data"], cfg["Optimizer"]
+        g = cfg["Global"]
         self.device = runtime.start(cfg)
         self.rank, self.world = pd.get_rank(), pd.get_world_size()
         self.output_dir = g["output_dir"]
@@ -94,7 +81,31 @@ class Trainer:
             raise ConfigError("AMP.enable is true but training runs on the CPU; AMP needs a GPU")
         paddle.seed(g["seed"])
         np.random.seed(g["seed"])
-        self.accumulate = o["accumulate_steps"]
+        self._build_data(cfg)
+        self._build_model(cfg, backbone)
+        self._build_optimizers(cfg)
+        self._build_outputs(cfg)
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.skipped_in_epoch = self.skipped_total = 0  # bad samples replaced on this rank
+        self._pending_skips = 0  # ... in batches loaded for a step not taken yet
+        self.history = []  # (step, loss) of every optimizer step of this process
+        self.step_losses = []  # the last step's micro-batch losses (`optimizer_step`)
+        self.eval_history = []
+        self.best = {}  # target -> best accuracy so far
+        self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
+        if self.rank == 0:
+            self._tidy_output_dir()
+        if g["checkpoint"]:
+            self._resume_configured(g["checkpoint"])
+        if self.rank == 0:
+            os.makedirs(self.output_dir, exist_ok=True)
+            atomic_write(os.path.join(self.output_dir, "config.yaml"), dump_config(cfg))
+
+    def _build_data(self, cfg):
+        """The training set (within Data.skip_bad), this rank's batch sampler and the step
+        counts they give."""
+        g, d = cfg["Global"], cfg["Data"]
+        self.accumulate = cfg["Optimizer"]["accumulate_steps"]
         self.dataset = build_train_dataset(cfg)
         dropped = list(getattr(self.dataset, "skipped", []))  # entries left out while indexing
         if len(dropped) > d["skip_bad"]:
@@ -112,11 +123,13 @@ class Trainer:
         self.total_steps = g["max_steps"] or g["epochs"] * self.steps_per_epoch
         self.global_batch = d["batch_size"] * self.world * self.accumulate
 
-        m = cfg["Model"]
+    def _build_model(self, cfg, backbone):
+        """The backbone (given, or `Model.name`; with its pretrained weights) and this rank's
+        shard of the head."""
+        g, m, loss = cfg["Global"], cfg["Model"], cfg["Loss"]
         self.backbone = backbone if backbone is not None else runtime.build_backbone(cfg)
         if g["pretrained"]:
             runtime.load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
-        loss = cfg["Loss"]
         paddle.seed(g["seed"] + 1 + self.rank)  # class centres differ from rank to rank
         self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
                               sample_ratio=loss["sample_ratio"], seed=g["seed"],
@@ -127,52 +140,53 @@ class Trainer:
                               check_inputs="labels")  # the sampler makes equal batches
         paddle.seed(g["seed"] + 7919 * (self.rank + 1))  # dropout etc. per rank
 
+    def _build_optimizers(self, cfg):
+        """The learning rate, both optimizers, the backbone's gradient sum, the loss scaler and
+        the count of non-finite steps."""
+        amp = cfg["AMP"]
         self.lr = StepLR(self._lr_fn())
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
         # The backbone's gradients are summed across ranks while the backward goes on.
         self.gradient_sum = OverlappedSum(self.backbone.parameters())
         self.head_opt = build_head_optimizer(cfg, self.lr)
         self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
-        self.nonfinite = NonFiniteSteps(g["max_nonfinite_steps"])
+        self.nonfinite = NonFiniteSteps(cfg["Global"]["max_nonfinite_steps"])
+
+    def _build_outputs(self, cfg):
+        """The checkpoint manager, the evaluator (None without Eval.targets) and the log."""
+        g, e, lg = cfg["Global"], cfg["Eval"], cfg["Logging"]
         self.ckpt = CheckpointManager(self.output_dir, cfg["Checkpoint"]["keep_last"])
-        e = cfg["Eval"]
-        self.evaluator = (VerificationEvaluator(e["root"], e["targets"], d["image_size"],
+        self.evaluator = (VerificationEvaluator(e["root"], e["targets"], cfg["Data"]["image_size"],
                                                 e["batch_size"]) if e["targets"] else None)
-        lg = cfg["Logging"]
         self.log = TrainLogger(self.output_dir, self.total_steps, g["log_interval"],
                                enabled=self.rank == 0, visualdl=lg["visualdl"],
                                progress_bar=lg["progress_bar"])
-        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-        self.skipped_in_epoch = self.skipped_total = 0  # bad samples replaced on this rank
-        self._pending_skips = 0  # ... in batches loaded for a step not taken yet
-        self.history = []  # (step, loss) of every optimizer step of this process
-        self.step_losses = []  # the last step's micro-batch losses (`optimizer_step`)
-        self.eval_history = []
-        self.best = {}  # target -> best accuracy so far
-        self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
-        if self.rank == 0:  # what a crashed save left behind
-            removed = remove_leftovers(self.output_dir)
-            if removed:
-                self.log.info(f"removed {len(removed)} leftover(s) of an interrupted save under "
-                              f"{self.output_dir}: {', '.join(removed)}")
-            for note in self._folder.notes:  # the lock's limits on this file system
-                self.log.warning(note)
-            repaired = repair_latest(self.output_dir)  # a save killed before rewriting `latest`
-            if repaired:
-                self.log.info(repaired)
-        if g["checkpoint"]:
-            path = agree_checkpoint(g["checkpoint"], self.output_dir,
-                                    cfg["Checkpoint"]["verify"], warn=self.log.warning)
-            if path is None:  # Global.checkpoint=auto and nothing to resume
-                self.log.info(f"Global.checkpoint=auto: no checkpoint under "
-                              f"{os.path.join(self.output_dir, 'checkpoints')}; starting fresh")
-            else:
-                if g["checkpoint"] == "auto":
-                    self.log.info(f"Global.checkpoint=auto: resuming from {path}")
-                self.resume(path)
-        if self.rank == 0:
-            os.makedirs(self.output_dir, exist_ok=True)
-            atomic_write(os.path.join(self.output_dir, "config.yaml"), dump_config(cfg))
+
+    def _tidy_output_dir(self):
+        """Rank 0: remove what a crashed save left behind, repair `latest`, log the lock's
+        notes."""
+        removed = remove_leftovers(self.output_dir)
+        if removed:
+            self.log.info(f"removed {len(removed)} leftover(s) of an interrupted save under "
+                          f"{self.output_dir}: {', '.join(removed)}")
+        for note in self._folder.notes:  # the lock's limits on this file system
+            self.log.warning(note)
+        repaired = repair_latest(self.output_dir)  # a save killed before rewriting `latest`
+        if repaired:
+            self.log.info(repaired)
+
+    def _resume_configured(self, checkpoint):
+        """Resume from Global.checkpoint (`checkpoint`: a path or "auto"), agreed by every
+        rank; "auto" with nothing to resume starts fresh."""
+        path = agree_checkpoint(checkpoint, self.output_dir,
+                                self.cfg["Checkpoint"]["verify"], warn=self.log.warning)
+        if path is None:  # Global.checkpoint=auto and nothing to resume
+            self.log.info(f"Global.checkpoint=auto: no checkpoint under "
+                          f"{os.path.join(self.output_dir, 'checkpoints')}; starting fresh")
+        else:
+            if checkpoint == "auto":
+                self.log.info(f"Global.checkpoint=auto: resuming from {path}")
+            self.resume(path)
 
     def _claim(self):
         """Rank 0 locks the output folder and checks that it and the VisualDL folder can be
@@ -404,60 +418,6 @@ class Trainer:
             for key, value in self._margin_state().items():
                 self.log.scalar(f"train/margin_{key}", value, self.step)
 
-    def _data_stop(self, error, failed):
-        """Some rank could not load its batch: every rank stops at this step (65)."""
-        self.log.close()  # the tool prints the one line (the error names the sample)
-        raise error if error is not None else PeerDataError(self.rank, failed, f"after step {self.step}")
-
-    @contextlib.contextmanager
-    def _rank_failures(self, starting=False):
-        """Turn a collective's error about a dead or silent rank into `RankLost` (`starting`:
-        before the first step, where `__init__` may not have set the rank or the log yet)."""
-        try:
-            yield
-        except RuntimeError as err:
-            rank = getattr(self, "rank", pd.launched_rank())
-            found = peer_failure(err, rank, getattr(self, "world", pd.launched_world_size()))
-            if found is None:
-                raise
-            if starting:
-                startup.settle()  # the launcher's SIGTERM to the survivors must not make it 75
-            lost = RankLost(rank, None if starting else self.step, found[0], found[1],
-                            find_checkpoint("auto", self.cfg["Global"]["output_dir"]))
-            if getattr(self, "log", None) is not None:
-                self.log.close()
-            raise lost from None
-
-    def _nonfinite_step(self, loss):
-        """The step just taken was skipped for a non-finite loss or gradient: warn, and stop
-        the run (`Diverged`) past Global.max_nonfinite_steps such steps in a row."""
-        n, limit = self.nonfinite.run, self.nonfinite.limit
-        what = "float16 loss scale at its floor" if self.scaler.enabled else "not finite"
-        self.log.info(f"step {self.step}: loss {loss:.6g}, loss or gradients {what}: update "
-                         f"skipped ({n} in a row, Global.max_nonfinite_steps={limit})")
-        if self.nonfinite.exceeded:
-            self._diverged(f"the loss or gradients were not finite in {n} consecutive steps "
-                           f"(the last at step {self.step}, loss {loss:.6g}); their updates were "
-                           "skipped")
-
-    def _diverged(self, what):
-        err = Diverged(what, find_checkpoint("auto", self.output_dir), self.cfg["Optimizer"]["lr"])
-        self.log.info(str(err))
-        self.log.close()
-        raise err
-
-    def _stop(self, signum):
-        """A rank was asked to stop: checkpoint this step (unless just done, or unless this
-        process took no step: its state is the one it started from) and raise."""
-        if not self.history:
-            path = None
-        else:
-            path = self.save() if self._saved_step != self.step else self._saved_path
-        err = Preempted(self.step, signum, path)
-        self.log.info(str(err))
-        self.log.close()
-        raise err
-
     def _after_step(self):
         last = self.step >= self.total_steps
         if self.evaluator is not None and (self.step % self.cfg["Eval"]["interval"] == 0 or last):
@@ -478,114 +438,3 @@ class Trainer:
                                    self.backbone.state_dict())
         self.eval_history.append((self.step, reports))
         return reports
-
-    # ----------------------------------------------------------- checkpoints
-    def _head_arrays(self):
-        """This rank's class-indexed arrays as tensors (a class a row: with K sub-centres the
-        weight and its state are viewed as `[num_local, K, d]`): the save streams them in slabs."""
-        head = self.head
-        arrays = {"weight": head.weight}
-        if head.bias is not None:
-            arrays["bias"] = head.bias
-        for key, value in self.head_opt.state_dict().items():
-            if key != "step_count":  # a scalar, kept in meta.json (`training_meta`)
-                arrays[state_array(key)] = value
-        k = head.sub_centers
-        return {name: t.reshape([head.num_local, k, -1]) if k > 1 and is_centre_array(name) else t
-                for name, t in arrays.items()}
-
-    def _margin_state(self):
-        """The margin's running values (AdaFace's norm statistics) as plain numbers."""
-        margin = self.head.margin
-        if not isinstance(margin, paddle.nn.Layer):
-            return {}
-        return {key: value.numpy().tolist() for key, value in margin.state_dict().items()}
-
-    def save(self):
-        pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
-        head = self.head
-        arrays = self._head_arrays()
-        self._check_finite_weights(arrays)
-        meta = training_meta(epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
-                             num_classes=head.num_classes, embedding_size=head.embedding_size,
-                             shard_size=head.partition.shard_size,
-                             sample_step=int(head.sample_step), sub_centers=head.sub_centers,
-                             margin_state=self._margin_state(), head_arrays=arrays,
-                             model=self.cfg["Model"]["name"], config=self.cfg,
-                             head_opt_step_count=int(self.head_opt.step_count))
-        trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
-                                                                  self.backbone),
-                         "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict(),
-                         "nonfinite": self.nonfinite.state_dict()}
-        self._saved_path = self._checked_save(
-            self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
-            {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
-        self._saved_step = self.step
-        return self._saved_path
-
-    def _check_finite_weights(self, head_arrays):
-        """Raise `Diverged` on every rank, before anything is written, when a weight, a
-        buffer or an optimizer state of any rank is not finite (an update overflowed)."""
-        tensors = list(self.backbone.state_dict().values()) + list(head_arrays.values())
-        bad = paddle.to_tensor([0.0 if all_rows_finite(tensors) else 1.0], dtype="float32")
-        if self.world > 1:
-            pd.all_reduce_(bad, "max")
-        if bad.item():
-            self._diverged(f"the weights or optimizer state after step {self.step} are not finite "
-                           "(an update overflowed); checkpoint not written")
-
-    def _checked_save(self, save, *args):
-        """`save(*args)` on every rank; a failure is logged and raised (`CheckpointSaveError`:
-        tools/train.py prints it and exits with status 74)."""
-        try:
-            return save(*args)
-        except CheckpointSaveError as err:
-            self.log.warning(str(err))
-            self.log.close()
-            raise
-
-    def resume(self, path):
-        meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
-        head = self.head
-        for key in ("num_classes", "embedding_size", "sub_centers"):
-            if meta.get(key, 1) != getattr(head, key):
-                raise ConfigError(f"checkpoint {path} has {key}={meta[key]}, the config "
-                                  f"{getattr(head, key)}")
-        self.backbone.set_state_dict(backbone_state)
-        self.backbone_opt.set_state_dict(local_optimizer_state(trainer_state["backbone_opt"],
-                                                               self.backbone))
-        self.lr.set_state_dict(trainer_state["lr"])
-        self.lr.last_lr = self.lr.get_lr()  # a function of the step (a converted checkpoint has no rate)
-        if "scaler" in trainer_state:  # (a converted checkpoint has none: the scaler starts fresh)
-            self.scaler.set_state_dict(trainer_state["scaler"])
-        self.nonfinite.set_state_dict(trainer_state.get("nonfinite", {}))
-        self._resume_head(path, meta)
-        head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
-        margin = head.margin
-        state = margin.state_dict() if isinstance(margin, paddle.nn.Layer) else {}
-        for key, value in meta.get("margin_state", {}).items():
-            if key in state:  # a run may go on with another margin
-                state[key].set_value(paddle.to_tensor(value, dtype="float32"))
-        self.step, self.epoch = meta["step"], meta["epoch"]
-        self.batch_in_epoch = meta["batch_in_epoch"]
-        if rng is not None:  # this rank's RNG and skip counts (not kept across world sizes)
-            restore_rng(rng)
-            self.skipped_in_epoch, self.skipped_total = rng.get("data_skipped", (0, 0))
-        self.log.info(f"resumed from {path} at step {self.step} (written by {meta['world_size']} "
-                      f"rank(s), now {self.world})")
-
-    def _resume_head(self, path, meta):
-        """Fill this rank's head arrays and their optimizer state in place from checkpoint
-        `path`, in their dtypes (each converted slab by slab), on any world size."""
-        self.head_opt.init_state(self.head)  # zero state tensors to fill, in their dtypes
-        arrays = self._head_arrays()
-        stored = set(meta["head_arrays"])
-        missing = (set(arrays) - stored) & {"weight", "bias"}
-        unknown = stored - set(arrays)
-        if missing or unknown:
-            raise ConfigError(f"checkpoint {path} has head arrays {sorted(stored)}; this run's head "
-                              f"and {type(self.head_opt).__name__} keep {sorted(arrays)}")
-        for name in sorted(stored):  # optimizer state the checkpoint lacks stays zero
-            load_head_rows_into(path, name, self.head.class_start, arrays[name], meta)
-        if "head_opt_step_count" in meta:
-            self.head_opt.set_state_dict({"step_count": meta["head_opt_step_count"]})

@@ -1,0 +1,128 @@
+"""The trainer's checkpoints: the state it saves (checked finite on every rank first) and the
+resume from one, on any world size."""
+import paddle
+
+from .. import distributed as pd
+from ..config import ConfigError
+from ..storage import all_rows_finite
+from ..checkpoint import (CheckpointManager, CheckpointSaveError, load_head_rows_into,
+                          local_optimizer_state, portable_optimizer_state, restore_rng,
+                          training_meta)
+from ..checkpoint.layout import is_centre_array, state_array
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing:
+    """`Trainer`'s saving and resuming: a mixin, on the trainer's backbone, head, optimizers,
+    log and counters."""
+
+    def _head_arrays(self):
+        """This rank's class-indexed arrays as tensors (one row per class: with K sub-centres the
+        weight and its state are viewed as `[num_local, K, d]`): the save streams them in slabs."""
+        head = self.head
+        arrays = {"weight": head.weight}
+        if head.bias is not None:
+            arrays["bias"] = head.bias
+        for key, value in self.head_opt.state_dict().items():
+            if key != "step_count":  # a scalar, kept in meta.json (`training_meta`)
+                arrays[state_array(key)] = value
+        k = head.sub_centers
+        return {name: t.reshape([head.num_local, k, -1]) if k > 1 and is_centre_array(name) else t
+                for name, t in arrays.items()}
+
+    def _margin_state(self):
+        """The margin's running values (AdaFace's norm statistics) as plain numbers."""
+        margin = self.head.margin
+        if not isinstance(margin, paddle.nn.Layer):
+            return {}
+        return {key: value.numpy().tolist() for key, value in margin.state_dict().items()}
+
+    def save(self):
+        pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
+        head = self.head
+        arrays = self._head_arrays()
+        self._check_finite_weights(arrays)
+        meta = training_meta(epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
+                             num_classes=head.num_classes, embedding_size=head.embedding_size,
+                             shard_size=head.partition.shard_size,
+                             sample_step=int(head.sample_step), sub_centers=head.sub_centers,
+                             margin_state=self._margin_state(), head_arrays=arrays,
+                             model=self.cfg["Model"]["name"], config=self.cfg,
+                             head_opt_step_count=int(self.head_opt.step_count))
+        trainer_state = {"backbone_opt": portable_optimizer_state(self.backbone_opt.state_dict(),
+                                                                  self.backbone),
+                         "lr": self.lr.state_dict(), "scaler": self.scaler.state_dict(),
+                         "nonfinite": self.nonfinite.state_dict()}
+        self._saved_path = self._checked_save(
+            self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
+            {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
+        self._saved_step = self.step
+        return self._saved_path
+
+    def _check_finite_weights(self, head_arrays):
+        """Raise `Diverged` on every rank, before anything is written, when a weight, a
+        buffer or an optimizer state of any rank is not finite (an update overflowed)."""
+        tensors = list(self.backbone.state_dict().values()) + list(head_arrays.values())
+        bad = paddle.to_tensor([0.0 if all_rows_finite(tensors) else 1.0], dtype="float32")
+        if self.world > 1:
+            pd.all_reduce_(bad, "max")
+        if bad.item():
+            self._diverged(f"the weights or optimizer state after step {self.step} are not finite "
+                           "(an update overflowed); checkpoint not written")
+
+    def _checked_save(self, save, *args):
+        """`save(*args)` on every rank; a failure is logged and raised (`CheckpointSaveError`:
+        tools/train.py prints it and exits with status 74)."""
+        try:
+            return save(*args)
+        except CheckpointSaveError as err:
+            self.log.warning(str(err))
+            self.log.close()
+            raise
+
+    def resume(self, path):
+        meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
+        head = self.head
+        for key in ("num_classes", "embedding_size", "sub_centers"):
+            if meta.get(key, 1) != getattr(head, key):
+                raise ConfigError(f"checkpoint {path} has {key}={meta[key]}, the config "
+                                  f"{getattr(head, key)}")
+        self.backbone.set_state_dict(backbone_state)
+        self.backbone_opt.set_state_dict(local_optimizer_state(trainer_state["backbone_opt"],
+                                                               self.backbone))
+        self.lr.set_state_dict(trainer_state["lr"])
+        self.lr.last_lr = self.lr.get_lr()  # a function of the step (a converted checkpoint has no rate)
+        if "scaler" in trainer_state:  # (a converted checkpoint has none: the scaler starts fresh)
+            self.scaler.set_state_dict(trainer_state["scaler"])
+        self.nonfinite.set_state_dict(trainer_state.get("nonfinite", {}))
+        self._resume_head(path, meta)
+        head.sample_step.set_value(paddle.to_tensor(meta["sample_step"], dtype="int64"))
+        margin = head.margin
+        state = margin.state_dict() if isinstance(margin, paddle.nn.Layer) else {}
+        for key, value in meta.get("margin_state", {}).items():
+            if key in state:  # a run may go on with another margin
+                state[key].set_value(paddle.to_tensor(value, dtype="float32"))
+        self.step, self.epoch = meta["step"], meta["epoch"]
+        self.batch_in_epoch = meta["batch_in_epoch"]
+        if rng is not None:  # this rank's RNG and skip counts (not kept across world sizes)
+            restore_rng(rng)
+            self.skipped_in_epoch, self.skipped_total = rng.get("data_skipped", (0, 0))
+        self.log.info(f"resumed from {path} at step {self.step} (written by {meta['world_size']} "
+                      f"rank(s), now {self.world})")
+
+    def _resume_head(self, path, meta):
+        """Fill this rank's head arrays and their optimizer state in place from checkpoint
+        `path`, in their dtypes (each converted slab by slab), on any world size."""
+        self.head_opt.init_state(self.head)  # zero state tensors to fill, in their dtypes
+        arrays = self._head_arrays()
+        stored = set(meta["head_arrays"])
+        missing = (set(arrays) - stored) & {"weight", "bias"}
+        unknown = stored - set(arrays)
+        if missing or unknown:
+            raise ConfigError(f"checkpoint {path} has head arrays {sorted(stored)}; this run's head "
+                              f"and {type(self.head_opt).__name__} keep {sorted(arrays)}")
+        for name in sorted(stored):  # optimizer state the checkpoint lacks stays zero
+            load_head_rows_into(path, name, self.head.class_start, arrays[name], meta)
+        if "head_opt_step_count" in meta:
+            self.head_opt.set_state_dict({"step_count": meta["head_opt_step_count"]})
