@@ -493,12 +493,12 @@ def test_attention_softmax_in_float32_for_16_bit_qkv(dtype, monkeypatch):
         return out
     attn.qkv.register_forward_post_hook(to_16_bit)
     dtypes = []
-    real_softmax = vit_module.F.softmax
+    real_softmax = vit_module.softmax_last
 
-    def recording_softmax(x, *args, **kwargs):
+    def recording_softmax(x):
         dtypes.append(x.dtype)
-        return real_softmax(x, *args, **kwargs)
-    monkeypatch.setattr(vit_module.F, "softmax", recording_softmax)
+        return real_softmax(x)
+    monkeypatch.setattr(vit_module, "softmax_last", recording_softmax)
     x = rng.normal(0, 1, (2, length, dim)).astype("float32")
     out = attn(paddle.to_tensor(x))
     assert dtypes == [paddle.float32] and out.dtype == paddle.float32

@@ -26,13 +26,13 @@ Random draws (token masking, drop path, dropout) come from Paddle's global gener
 checkpoint that saves `paddle.get_rng_state()` resumes them exactly.
 """
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from .conv import Conv2D
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .linear import Linear
 from .permute import permute
+from .rows import LayerNorm, softmax_last
 from .recompute import run_blocks
 from .. import cpu_setup
 
@@ -61,7 +61,7 @@ def _linear(in_features, out_features, bias=True):
 
 
 def _layer_norm(dim):
-    return nn.LayerNorm(dim, epsilon=LN_EPS)  # weight 1, bias 0
+    return LayerNorm(dim, epsilon=LN_EPS)  # weight 1, bias 0
 
 
 def _batch_norm(num_features):
@@ -118,7 +118,7 @@ class Attention(nn.Layer):
             q, k, v = (t if t.dtype == paddle.float32 else t.astype("float32")
                        for t in paddle.unbind(qkv, axis=0))  # one stack in the backward
             attn = paddle.matmul(q, k, transpose_y=True) * self.scale
-            attn = F.softmax(attn, axis=-1)
+            attn = softmax_last(attn)
             attn = self.attn_drop(attn)
             out = permute(paddle.matmul(attn, v), [0, 2, 1, 3]).reshape([0, 0, dim])
         return self.proj_drop(self.proj(out.astype(x.dtype)))

@@ -1,0 +1,155 @@
+"""oneDNN convolutions on plain NCHW float32 memory: forward, data gradient, weight gradient.
+
+Paddle 3.3's CPU `conv2d` and its gradients lower to im2col and a GEMM; oneDNN (the library
+torch's CPU convolutions run on too) has direct kernels for blocked layouts. Each primitive
+here chooses its layout; a plain input is reordered into it and a result back, both by oneDNN,
+and the weight gradient reads the output gradient the data gradient already reordered.
+
+One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias) holds the
+primitives and the scratch buffers of the blocked layouts; plans are built on first use and kept
+for the process. oneDNN runs on the OpenMP threads Paddle runs on. The layer that chooses
+between this and Paddle's `conv2d` is `plsc.models.conv.Conv2D`.
+"""
+import ctypes
+
+from .library import (ARG_BIAS, ARG_DIFF_BIAS, ARG_DIFF_DST, ARG_DIFF_SRC, ARG_DIFF_WEIGHTS,
+                      ARG_DST, ARG_SRC, ARG_WEIGHTS, CONVOLUTION_DIRECT, FORWARD_TRAINING,
+                      QUERY_DIFF_DST, QUERY_DIFF_SRC, QUERY_DIFF_WEIGHTS, QUERY_DST, QUERY_SRC,
+                      QUERY_WEIGHTS, TAG_A, TAG_ABCD, TAG_ABCDE, TAG_ANY, Arg, dims, engine,
+                      execute, lib, md, memory, ok, primitive, set_handle, vp)
+
+__all__ = ["plan", "plan_count", "conv_forward", "conv_backward"]
+
+_plans = {}
+
+
+class _Plan:
+    """The primitives of one convolution geometry: forward, then (on first use) the gradients."""
+
+    def __init__(self, x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias):
+        n, c, h, w = x_shape
+        o, _, kh, kw = w_shape
+        oh = (h + pad_l[0] + pad_r[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        ow = (w + pad_l[1] + pad_r[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+        self.out_shape = (n, o, oh, ow)
+        self.bias = bias
+        if groups == 1:
+            w_dims, w_tag = w_shape, TAG_ABCD
+        else:
+            w_dims, w_tag = (groups, o // groups) + tuple(w_shape[1:]), TAG_ABCDE
+        self.geometry = (dims(stride), dims([d - 1 for d in dilation]), dims(pad_l),
+                         dims(pad_r))
+        self.plain = {"src": md(x_shape, TAG_ABCD), "weights": md(w_dims, w_tag),
+                      "dst": md(self.out_shape, TAG_ABCD)}
+        self.any = {"src": md(x_shape, TAG_ANY), "weights": md(w_dims, TAG_ANY),
+                    "dst": md(self.out_shape, TAG_ANY)}
+        self.bias_md = md((o,), TAG_A) if bias else None
+        self.fwd_pd = vp()
+        ok(lib().dnnl_convolution_forward_primitive_desc_create(
+            ctypes.byref(self.fwd_pd), engine(), FORWARD_TRAINING, CONVOLUTION_DIRECT,
+            self.any["src"], self.any["weights"], self.bias_md, self.any["dst"],
+            *self.geometry, None), "convolution_forward_primitive_desc_create")
+        self.fwd = primitive(self.fwd_pd)
+        self.fwd_args = self._args(self.fwd_pd, {"src": (QUERY_SRC, True),
+                                                 "weights": (QUERY_WEIGHTS, True),
+                                                 "dst": (QUERY_DST, False)})
+        self.bias_memory = memory(self.bias_md) if bias else None
+        self.bwd_data = None
+        self.bwd_weights = None
+
+    def _args(self, pd, roles):
+        """{role: Arg} for (query, is an input) by role name ("diff_" roles use the plain
+        layout of the role they are the gradient of)."""
+        args = {}
+        for role, (query, is_input) in roles.items():
+            wanted = lib().dnnl_primitive_desc_query_md(pd, query, 0)
+            args[role] = Arg(self.plain[role.replace("diff_", "")], wanted, is_input)
+        return args
+
+    def _backward_data(self):
+        if self.bwd_data is None:
+            pd = vp()
+            ok(lib().dnnl_convolution_backward_data_primitive_desc_create(
+                ctypes.byref(pd), engine(), CONVOLUTION_DIRECT, self.any["src"],
+                self.any["weights"], self.any["dst"], *self.geometry, self.fwd_pd, None),
+                "convolution_backward_data_primitive_desc_create")
+            self.bwd_data = (primitive(pd), self._args(pd, {
+                "diff_src": (QUERY_DIFF_SRC, False), "weights": (QUERY_WEIGHTS, True),
+                "diff_dst": (QUERY_DIFF_DST, True)}))
+        return self.bwd_data
+
+    def _backward_weights(self):
+        if self.bwd_weights is None:
+            pd = vp()
+            ok(lib().dnnl_convolution_backward_weights_primitive_desc_create(
+                ctypes.byref(pd), engine(), CONVOLUTION_DIRECT, self.any["src"],
+                self.any["weights"], self.bias_md, self.any["dst"], *self.geometry,
+                self.fwd_pd, None), "convolution_backward_weights_primitive_desc_create")
+            self.bwd_weights = (primitive(pd), self._args(pd, {
+                "src": (QUERY_SRC, True), "diff_weights": (QUERY_DIFF_WEIGHTS, False),
+                "diff_dst": (QUERY_DIFF_DST, True)}))
+        return self.bwd_weights
+
+    def forward(self, x_ptr, w_ptr, b_ptr, y_ptr):
+        args = self.fwd_args
+        args["src"].stage_in(x_ptr)
+        args["weights"].stage_in(w_ptr)
+        args["dst"].bind_out(y_ptr)
+        run = [(ARG_SRC, args["src"].memory), (ARG_WEIGHTS, args["weights"].memory),
+               (ARG_DST, args["dst"].memory)]
+        if self.bias:
+            set_handle(self.bias_memory, b_ptr)
+            run.append((ARG_BIAS, self.bias_memory))
+        execute(self.fwd, run)
+        args["dst"].stage_out(y_ptr)
+
+    def backward(self, x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr):
+        """The gradients asked for (a None pointer skips that one)."""
+        dy_staged = None
+        if dx_ptr is not None:
+            prim, args = self._backward_data()
+            args["weights"].stage_in(w_ptr)
+            args["diff_dst"].stage_in(dy_ptr)
+            args["diff_src"].bind_out(dx_ptr)
+            execute(prim, [(ARG_WEIGHTS, args["weights"].memory),
+                            (ARG_DIFF_DST, args["diff_dst"].memory),
+                            (ARG_DIFF_SRC, args["diff_src"].memory)])
+            args["diff_src"].stage_out(dx_ptr)
+            dy_staged = args["diff_dst"]
+        if dw_ptr is not None:
+            prim, args = self._backward_weights()
+            args["src"].stage_in(x_ptr)
+            args["diff_dst"].stage_in(dy_ptr, staged_by=dy_staged)
+            args["diff_weights"].bind_out(dw_ptr)
+            run = [(ARG_SRC, args["src"].memory), (ARG_DIFF_DST, args["diff_dst"].memory),
+                   (ARG_DIFF_WEIGHTS, args["diff_weights"].memory)]
+            if self.bias:
+                set_handle(self.bias_memory, db_ptr)
+                run.append((ARG_DIFF_BIAS, self.bias_memory))
+            execute(prim, run)
+            args["diff_weights"].stage_out(dw_ptr)
+
+
+def plan(x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias):
+    """The `_Plan` of this geometry (built on first use; the library must be `available`)."""
+    key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(pad_l), tuple(pad_r),
+           tuple(dilation), int(groups), bool(bias))
+    found = _plans.get(key)
+    if found is None:
+        found = _plans[key] = _Plan(*key)
+    return found
+
+
+def plan_count():
+    """Geometries planned so far in this process."""
+    return len(_plans)
+
+
+def conv_forward(p, x_ptr, w_ptr, b_ptr, y_ptr):
+    """y = conv(x, w) (+ b) on plain NCHW float32 memory at the given addresses."""
+    p.forward(x_ptr, w_ptr, b_ptr, y_ptr)
+
+
+def conv_backward(p, x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr):
+    """dx, dw (and db) of `conv_forward` for dy; a None address skips that gradient."""
+    p.backward(x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr)
