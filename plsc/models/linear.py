@@ -32,9 +32,8 @@ class _GemmLinear(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
         rows = _rows(x, weight.shape[0])
-        y = paddle.matmul(rows, weight)
-        if bias is not None:
-            y.add_(bias)
+        # the bias enters the GEMM as its C operand (beta = 1), not as a second pass
+        y = paddle.matmul(rows, weight) if bias is None else paddle.addmm(bias, rows, weight)
         ctx.save_for_backward(rows, weight)
         ctx.x_shape = x.shape
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
