@@ -16,7 +16,6 @@ processors without AVX2, a variable the user set, and ``PLSC_MKL_DISPATCH=keep``
 by one rule (Global.cpu_threads, else the user's OMP_NUM_THREADS, else the usable cores divided
 by the ranks on the node), and malloc keeping freed blocks on the CPU.
 """
-import importlib
 import os
 import platform
 import sys
@@ -28,11 +27,6 @@ from .cpu_setup import keep_freed_memory, usable_cores  # noqa: F401 (this modul
 __all__ = ["blas_dispatch", "BLAS_NOTE", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory",
            "select_device", "start"]
-
-# Names that lived here, now in the module named, reached through `__getattr__` so that
-# importing this module still does not import Paddle.
-_MOVED = {"build_backbone": "builders", "load_pretrained": "builders", "open_dataset": "builders",
-          "DATA_HELP": "builders", "show_progress": "progress", "progress": "progress"}
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
 
@@ -123,9 +117,3 @@ def start(cfg):
     device = select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     distributed.init()
     return device
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,7 @@ import paddle
 import pytest
 
 import scripts
-from plsc import runtime, torchfile
+from plsc import builders, torchfile
 from plsc.config import ConfigError
 from plsc.models import build_model, from_insightface, to_insightface
 from plsc.models.insightface import insightface_layout, is_torch_file
@@ -471,16 +471,16 @@ def test_load_pretrained_reads_pt_and_pdparams(tmp_path):
     state = distinct_values(arcface_table("IResNetTiny", 32, (16, 16)))
     torchfile.save(state, tmp_path / "arcface.pt")
     model = build_model("IResNetTiny", embedding_size=32, input_size=16)
-    runtime.load_pretrained(model, str(tmp_path / "arcface.pt"))
+    builders.load_pretrained(model, str(tmp_path / "arcface.pt"))
     check_plsc_values(model, "iresnet", state)
     paddle.save(model.state_dict(), str(tmp_path / "plsc.pdparams"))
     other = build_model("IResNetTiny", embedding_size=32, input_size=16)
-    runtime.load_pretrained(other, str(tmp_path / "plsc.pdparams"))
+    builders.load_pretrained(other, str(tmp_path / "plsc.pdparams"))
     check_plsc_values(other, "iresnet", state)
     wrong = build_model("IResNetTiny", embedding_size=32, input_size=32)
     with pytest.raises(ConfigError, match=r"^Global.pretrained: .*arcface.pt: arcface_torch key "
                        r"'fc.weight' has shape \[32, 128\], expected \[32, 512\]"):
-        runtime.load_pretrained(wrong, str(tmp_path / "arcface.pt"))
+        builders.load_pretrained(wrong, str(tmp_path / "arcface.pt"))
 
 
 def test_trainer_and_tasks_start_from_an_arcface_torch_file(tmp_path):

@@ -18,7 +18,7 @@ import paddle
 import pytest
 
 from plsc import config as plsc_config
-from plsc import runtime
+from plsc import builders
 from plsc.config import ConfigError
 from plsc.models import ALIASES, MODELS, VisionTransformer, build_model, resolve_name
 from plsc.models import vit as vit_module
@@ -521,10 +521,10 @@ def _cfg(model, image_size=(56, 56)):
 
 
 def test_config_keys_override_the_names_values():
-    default = runtime.build_backbone(_cfg({"name": "ViTDemo", "embedding_size": 16}))
+    default = builders.build_backbone(_cfg({"name": "ViTDemo", "embedding_size": 16}))
     assert default.patch_size == 8 and default.num_patches == 49 and default.mask_ratio == 0.0
     assert default.blocks[-1].drop_path.p == pytest.approx(0.05)
-    model = runtime.build_backbone(_cfg({"name": "vitdemo", "embedding_size": 16,
+    model = builders.build_backbone(_cfg({"name": "vitdemo", "embedding_size": 16,
                                          "drop_path_rate": 0.3, "mask_ratio": 0.25,
                                          "patch_size": 7}))
     assert model.patch_size == 7 and list(model.pos_embed.shape) == [1, 64, 128]
@@ -533,7 +533,7 @@ def test_config_keys_override_the_names_values():
     seen = _observe(model)
     model(paddle.randn([2, 3, 56, 56]))
     assert seen["masked"].sum(1).tolist() == [64 - int(64 * 0.75)] * 2  # 16
-    off = runtime.build_backbone(_cfg({"name": "vit_t", "embedding_size": 16, "mask_ratio": 0,
+    off = builders.build_backbone(_cfg({"name": "vit_t", "embedding_size": 16, "mask_ratio": 0,
                                        "patch_size": 28}, image_size=(112, 112)))
     assert off.mask_ratio == 0.0 and off.num_patches == 16 and off.embed_dim == 256
 
@@ -542,7 +542,7 @@ def test_config_keys_override_the_names_values():
                                        ("patch_size", 8)])
 def test_vit_keys_are_refused_for_other_backbones(key, value):
     with pytest.raises(ConfigError, match=f"Model.{key}"):
-        runtime.build_backbone(_cfg({"name": "IResNetTiny", key: value}))
+        builders.build_backbone(_cfg({"name": "IResNetTiny", key: value}))
     with pytest.raises(ValueError, match=key):
         build_model("MobileFaceNet", **{key: value})
     assert build_model("IResNetTiny", input_size=32, **{key: None}) is not None

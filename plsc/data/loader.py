@@ -36,7 +36,6 @@ import traceback
 from multiprocessing.connection import wait
 
 import numpy as np
-import paddle
 
 from ..fileio import atomic_write
 from .errors import DataError

@@ -16,6 +16,7 @@ from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
 from ..checkpoint import (CheckpointManager, agree_checkpoint, remove_leftovers, repair_latest,
                           save_best)
+from ..builders import build_backbone, load_pretrained
 from ..checkpoint.lock import claim_folder
 from ..embedding import VerificationEvaluator
 from ..fileio import atomic_write
@@ -127,9 +128,9 @@ class Trainer(Checkpointing, Stopping):
         """The backbone (given, or `Model.name`; with its pretrained weights) and this rank's
         shard of the head."""
         g, m, loss = cfg["Global"], cfg["Model"], cfg["Loss"]
-        self.backbone = backbone if backbone is not None else runtime.build_backbone(cfg)
+        self.backbone = backbone if backbone is not None else build_backbone(cfg)
         if g["pretrained"]:
-            runtime.load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
+            load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
         paddle.seed(g["seed"] + 1 + self.rank)  # class centres differ from rank to rank
         self.head = PartialFC(m["embedding_size"], loss["num_classes"], build_margin_from_config(loss),
                               sample_ratio=loss["sample_ratio"], seed=g["seed"],
