@@ -45,13 +45,14 @@ The threads each used are read from the process: Paddle's from the OpenMP runtim
 
 `--profile` (one backbone, the first of `--backbones`) times one step after the warm-up
 under Paddle's profiler (plsc_run's set-up) and torch.profiler, each op counted once at the
-outermost op event (a backward node as a whole) and grouped: conv2d (depthwise too; plsc's
-Conv2D layer as a whole), conv2d_grad (its PyLayer backward too), batch_norm, batch_norm_grad, prelu, prelu_grad (plsc's PReLU layer and its
-PyLayer backward; Paddle's or torch's prelu op), matmul_linear (matmul, linear, addmm, mm,
-bmm, forward and backward), optimizer (the whole update: Paddle's "Optimization Step",
-torch's SGD.step), other_ops (every other op; its largest kinds in other_top), outside_ops
-(the step's time outside any op: Python, the autograd engine) and step_s (the profiled
-step's wall time, profiler overhead included).
+outermost op event (a backward node as a whole; plsc's layers whose forward is a PyLayer,
+Conv2D, Linear, LayerNorm and PReLU, as a whole layer, since their oneDNN or numpy work is no
+Paddle op) and grouped: conv2d (depthwise too), conv2d_grad, batch_norm, batch_norm_grad,
+prelu, prelu_grad, matmul_linear (matmul, linear, addmm, mm, bmm, forward and backward),
+optimizer (the whole update: Paddle's "Optimization Step", torch's SGD.step), other_ops
+(every other op; its largest kinds in other_top), outside_ops (the step's time outside any op:
+Python, the autograd engine, and plsc's softmax and permute, which are PyLayers but no layers)
+and step_s (the profiled step's wall time, profiler overhead included).
 """
 import argparse
 import json
@@ -167,6 +168,9 @@ def _paddle_omp_threads():
         return None
 
 
+_PYLAYER_LAYERS = ("PReLU", "Conv2D", "Linear", "LayerNorm")
+
+
 def _paddle_profile(step):
     import paddle.profiler as profiler
     kinds = profiler.TracerEventType
@@ -183,8 +187,9 @@ def _paddle_profile(step):
             seconds = (child.end_ns - child.start_ns) / 1e9
             if child.type == kinds.Optimization:
                 units.append((child.name, "optimizer", seconds))
-            elif child.type == kinds.Forward and child.name in ("PReLU", "Conv2D"):
-                # plsc's layers whose forward is a PyLayer (their backward is a grad node)
+            elif child.type == kinds.Forward and child.name in _PYLAYER_LAYERS:
+                # plsc's layers whose forward is a PyLayer (their backward is a grad node): the
+                # layer as a whole, or the oneDNN / numpy work in it would count as outside ops
                 units.append((child.name, _group(child.name), seconds))
             elif child.type == kinds.Operator:  # outermost op (a grad node as a whole)
                 units.append((child.name, _group(child.name), seconds))
