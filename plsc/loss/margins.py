@@ -228,7 +228,7 @@ MARGINS = _registry()
 
 
 def build_margin(name, **kwargs):
-    """Margin by registry name, e.g. `build_margin("arcface", s=64, m=0.5)`."""
+    """Margin by registry name (a row of `plsc.loss.table`) with its constructor's keywords."""
     key = str(name).lower()
     if key not in MARGINS:
         raise ValueError(f"unknown margin {name!r}; expected one of {sorted(MARGINS)}")

@@ -4,8 +4,8 @@
 save as before) whose forward runs through `plsc.onednn` when the input and the parameters are
 float32 CPU tensors under the CPU kernel set (`plsc.cpu_kernels.cpu_set`) and the bundled
 oneDNN loaded; any other tensor (another device or dtype, ``PLSC_KERNELS=device``) takes
-Paddle's own `conv2d`, as on a GPU. Both compute the same convolution; the CPU one is about
-twice as fast as Paddle's on this project's machine (docs/performance.md).
+Paddle's own `conv2d`, as on a GPU. Both compute the same convolution (timings:
+docs/performance.md, "plsc's own CPU kernels, measured").
 """
 import paddle
 from paddle import nn

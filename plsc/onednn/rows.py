@@ -94,7 +94,7 @@ class _LayerNorm:
 
 def softmax_plan(rows, width):
     """The softmax plan of [rows, width] (softmax over each row)."""
-    key = ("softmax", int(rows), int(width))
+    key = (_Softmax, int(rows), int(width))
     if key not in _plans:
         _plans[key] = _Softmax(rows, width)
     return _plans[key]
@@ -102,7 +102,7 @@ def softmax_plan(rows, width):
 
 def layer_norm_plan(rows, width, eps):
     """The LayerNorm plan of [rows, width] with scale and shift of [width]."""
-    key = ("layer_norm", int(rows), int(width), float(eps))
+    key = (_LayerNorm, int(rows), int(width), float(eps))
     if key not in _plans:
         _plans[key] = _LayerNorm(rows, width, float(eps))
     return _plans[key]
