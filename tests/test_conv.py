@@ -100,6 +100,14 @@ def test_strided_input_and_repeated_geometry():
                                atol=2e-5)
     np.testing.assert_allclose(yb.numpy(), F.conv2d(xc, b.weight, b.bias, padding=1).numpy(),
                                atol=2e-5)
+    xs = paddle.randn([2, 6, 7, 7]).transpose([0, 1, 3, 2])
+    xs.stop_gradient = False
+    a(xs).sum().backward()  # a strided input that needs its gradient gets it
+    xr = xs.detach().contiguous()
+    xr.stop_gradient = False
+    F.conv2d(xr, a.weight.detach(), a.bias.detach(), padding=1).sum().backward()
+    np.testing.assert_allclose(xs.grad.numpy(), xr.grad.numpy(), atol=2e-5)
+    a.clear_gradients(set_to_zero=False)
     (a(x).sum() + a(x).sum()).backward()
     wr = a.weight.detach()
     wr.stop_gradient = False

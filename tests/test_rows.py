@@ -65,3 +65,11 @@ def test_layer_norm_frozen_input_and_strided_rows():
     _close(y.numpy(), F.layer_norm(x.contiguous(), 8, norm.weight, norm.bias).numpy(), "y")
     y.sum().backward()
     assert x.grad is None and norm.weight.grad is not None
+    xs = paddle.randn([8, 5]).transpose([1, 0])
+    xs.stop_gradient = False
+    g = paddle.randn([5, 8])
+    (norm(xs) * g).sum().backward()  # a strided input that needs its gradient gets it
+    xr = xs.detach().contiguous()
+    xr.stop_gradient = False
+    (F.layer_norm(xr, 8, norm.weight.detach(), norm.bias.detach()) * g).sum().backward()
+    _close(xs.grad.numpy(), xr.grad.numpy(), "dx")

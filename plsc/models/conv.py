@@ -34,14 +34,14 @@ def _dense(t):
 class _OneDNNConv2D(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, geometry):
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
+                     bias is not None and not bias.stop_gradient)  # before any dense copy
         x, weight = _dense(x), _dense(weight)
         plan = onednn.plan(x.shape, weight.shape, *geometry, bias is not None)
         y = paddle.empty(plan.out_shape, dtype=paddle.float32)
         onednn.conv_forward(plan, x.data_ptr(), weight.data_ptr(),
                             None if bias is None else bias.data_ptr(), y.data_ptr())
         ctx.plan = plan
-        ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
-                     bias is not None and not bias.stop_gradient)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         return y

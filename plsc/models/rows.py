@@ -63,6 +63,7 @@ def softmax_last(x):
 class _LayerNorm(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
+        ctx.needs = (not x.stop_gradient, not weight.stop_gradient, not bias.stop_gradient)
         x = _dense(x)
         rows, width = _rows(x)
         plan = layer_norm_plan(rows, width, eps)
@@ -73,7 +74,6 @@ class _LayerNorm(PyLayer):
                      mean.data_ptr(), var.data_ptr())
         ctx.plan = plan
         ctx.save_for_backward(x, weight, bias, mean, var)
-        ctx.needs = (not x.stop_gradient, not weight.stop_gradient, not bias.stop_gradient)
         return y
 
     @staticmethod
