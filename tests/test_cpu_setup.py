@@ -96,9 +96,21 @@ def _faults(code, **env):
     return int(out.stdout.split()[-1])
 
 
+def _fewest_faults(code, bound, tries=3):
+    """The fewest faults over up to `tries` fresh processes, stopping once one is below `bound`:
+    now and then the kernel places a mapping where the heap would grow, and glibc then serves a
+    256 MiB block by mmap whatever malloc's settings (seen once in a CI run of the suite: 65537
+    faults in one process, 0 in the next twelve). A process that does not keep freed memory
+    faults on every page in every try."""
+    counts = []
+    while len(counts) < tries and (not counts or min(counts) >= bound):
+        counts.append(_faults(code))
+    return min(counts)
+
+
 def test_a_users_loop_keeps_freed_memory_as_a_run_does():
     pages = (256 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert _faults("import plsc\n") > pages // 2  # nothing built: malloc as it was
     for what, code in LOOP.items():
-        assert _faults(code) < pages // 10, what
+        assert _fewest_faults(code, pages // 10) < pages // 10, what
     assert _faults(LOOP["head"], PLSC_MALLOC="keep") > pages // 2  # the user's opt-out
