@@ -274,6 +274,10 @@ SCHEMA = {
         "keep_last": _k(int, 3, "checkpoints kept (older ones are deleted)", low=1),
         "verify": _k(str, "full", "check a checkpoint against its manifest before resuming: "
                      "full (sizes and checksums), size or none", choices=("full", "size", "none")),
+        "grace_seconds": _k(NUM, 30, "seconds a stop signal leaves before the cluster's SIGKILL "
+                            "(0: no limit): a stop checkpoint predicted not to end in time is "
+                            "not started, the run resumes from its last periodic checkpoint",
+                            low=0),
     },
     "Logging": {
         "visualdl": _k(bool, True, "write VisualDL scalars under output_dir/vdl"),

@@ -117,6 +117,11 @@ class AtomicWriter:
     def flush(self):
         self._file.flush()
 
+    def sync(self):
+        """Flush and fsync what was written so far (the bytes reach the disk)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
     @property
     def record(self):
         return FileRecord(self.size, f"{self._crc:08x}")

@@ -42,7 +42,8 @@ __all__ = ["PREEMPTED_EXIT_CODE", "SIGNALS", "BURST_SECONDS", "hold", "guard", "
            "settle", "hand_over", "end", "preempted_message", "same_request", "end_at_once"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-BURST_SECONDS = 1.0  # SIGTERMs this soon after a first SIGTERM repeat it (Paddle's launcher)
+BURST_SECONDS = 1.0  # stop signals this soon after the first repeat it (`same_request`)
+LAUNCHED_ENV = "PADDLE_TRAINER_ID"  # set in every rank Paddle's launcher starts
 
 
 def preempted_message(signum, before=None):
@@ -54,10 +55,19 @@ def preempted_message(signum, before=None):
 
 
 def same_request(first, signum, elapsed):
-    """Whether stop signal `signum`, `elapsed` seconds after a first one `first`, repeats it:
-    SIGTERMs within `BURST_SECONDS` of a first SIGTERM (Paddle's launcher sends up to three,
-    0.2 s apart, when it is itself terminated)."""
-    return signum == signal.SIGTERM == first and elapsed < BURST_SECONDS
+    """Whether stop signal `signum`, `elapsed` seconds after a first one `first`, repeats it
+    rather than insisting (which ends the process at once). SIGINT after SIGINT insists
+    (Ctrl-C twice). In a rank started by Paddle's launcher a SIGTERM always repeats: the
+    launcher, itself stopped (SIGTERM, or Ctrl-C's SIGINT), sends each rank's process group up
+    to three SIGTERMs 0.2 s apart, one rank after the other (rank 7 of 8 hears its first about
+    4 s after rank 0), on top of a scheduler's own signal to every process of the job
+    (`scancel`); a person's second signal goes to the launcher, which kills the ranks 10 s
+    later. Elsewhere any stop signal within `BURST_SECONDS` of the first repeats it."""
+    if signum == signal.SIGINT == first:
+        return False
+    if signum == signal.SIGTERM and LAUNCHED_ENV in os.environ:
+        return True
+    return elapsed < BURST_SECONDS
 
 
 def end_at_once(signum, note=""):

@@ -140,6 +140,61 @@ def test_a_worker_killed_between_batches_is_noticed_within_a_second():
     assert multiprocessing.active_children() == []
 
 
+def test_workers_leave_a_stop_to_the_main_process():
+    """SIGTERM and SIGINT sent to the workers (as a signal to the process group or to every
+    process of a job reaches them) kill none of them: every batch arrives, in order."""
+    batches = batches_of(40)
+    got = []
+    loader = iter(DataLoader(Faces(), batches, num_workers=2))
+    with contextlib.closing(loader):
+        got.append(next(loader))
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+            os.kill(child.pid, signal.SIGINT)
+        time.sleep(0.3)
+        got += list(loader)
+    check_equal(got, oracle(Faces(), batches))
+    assert multiprocessing.active_children() == []
+
+
+_POOL = """
+import os, signal, time
+from plsc.data.prepare import in_order
+
+def task(item):  # each pool process sends itself SIGTERM and SIGINT
+    if item < 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+    return item * item
+
+print(list(in_order(task, range(40), workers=2)) == [i * i for i in range(40)])
+"""
+
+
+def test_pool_processes_of_the_prepare_tools_ignore_stop_signals():
+    """A pool process killed by the signal would lose its task: the pool would wait forever."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _POOL], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("codes,names,advice", [
+    ([-9], "pid 11 killed by signal 9 (SIGKILL)", True),
+    ([-15], "pid 11 killed by signal 15 (SIGTERM)", False),
+    ([-15, 3], "pid 11 killed by signal 15 (SIGTERM), pid 12 exit status 3", False),
+    ([None], "pid 11 closed its result pipe", False)])
+def test_a_worker_death_names_how_and_advises_on_memory_for_sigkill_only(codes, names, advice):
+    from plsc.data import WorkerDied
+    err = WorkerDied([(11 + k, code) for k, code in enumerate(codes)])
+    assert isinstance(err, DataError) and str(err).startswith(f"a data loader worker died ({names})")
+    assert ("if it ran out of memory, lower Data.num_workers" in str(err)) == advice
+    killed = [-c for c in codes if c is not None and c < 0]
+    assert err.signals == (tuple(killed) if len(killed) == len(codes) else ())
+
+
 def test_workers_end_with_the_iterator():
     loader = iter(DataLoader(Faces(), batches_of(40), num_workers=2))
     next(loader)

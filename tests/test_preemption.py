@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -80,21 +81,66 @@ with StopSignals():
         time.sleep(gap)
         os.kill(os.getpid(), second)
     threading.Thread(target=send).start()
-    threading.Event().wait(60)  # the main thread blocked, as inside a collective
+    threading.Event().wait(float(sys.argv[4]))  # the main thread blocked, as in a collective
 print("not ended")
 """
 
 
 @pytest.mark.parametrize("first,second,gap", [("INT", "INT", 0.1), ("TERM", "TERM", 1.5),
-                                              ("TERM", "INT", 0.1)])
+                                              ("TERM", "INT", 1.5), ("INT", "TERM", 1.5)])
 def test_second_signal_ends_the_process_at_once(first, second, gap):
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, first, second, str(gap)],
-                          capture_output=True, text=True, timeout=50)
+    env = {k: v for k, v in os.environ.items() if k != "PADDLE_TRAINER_ID"}
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, first, second, str(gap), "60"],
+                          capture_output=True, text=True, timeout=50, env=env)
     assert time.time() - start < 20
     signum = getattr(signal, "SIG" + second)
     assert proc.returncode == 128 + signum, proc.stdout + proc.stderr
     assert proc.stderr.count("plsc: second stop signal") == 1 and "not ended" not in proc.stdout
+
+
+@pytest.mark.parametrize("first,second,gap,ends", [("TERM", "TERM", 2.5, False),
+                                                   ("INT", "TERM", 2.5, False),
+                                                   ("INT", "INT", 0.1, True)])
+def test_in_a_launched_rank_a_later_sigterm_repeats_the_stop(first, second, gap, ends):
+    """Paddle's launcher sends each rank its SIGTERMs one rank after the other (seconds apart
+    on 8 ranks): in a launched rank a later SIGTERM is the same stop; Ctrl-C twice insists."""
+    env = dict(os.environ, PADDLE_TRAINER_ID="3")
+    proc = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, first, second, str(gap),
+                           str(gap + 1.0)], capture_output=True, text=True, timeout=50, env=env)
+    if ends:
+        assert proc.returncode == 128 + getattr(signal, "SIG" + second), proc.stderr
+    else:
+        assert proc.returncode == 0 and "not ended" in proc.stdout, proc.stdout + proc.stderr
+        assert "second stop signal" not in proc.stderr
+
+
+@pytest.mark.parametrize("first,second", [("TERM", "INT"), ("INT", "TERM"), ("TERM", "TERM")])
+def test_signals_of_one_stop_within_a_second_are_one_request(first, second):
+    """A launcher forwards Ctrl-C's SIGINT as SIGTERM, a scheduler signals every process of a
+    job too: two stop signals 0.1 s apart are one request (not SIGINT twice: see above)."""
+    with StopSignals() as stop:
+        os.kill(os.getpid(), getattr(signal, "SIG" + first))
+        time.sleep(0.1)
+        os.kill(os.getpid(), getattr(signal, "SIG" + second))
+        time.sleep(0.2)
+        assert stop.signum == getattr(signal, "SIG" + first) and stop.repeats == 1
+
+
+def test_a_worker_death_is_part_of_a_stop_only_when_a_stop_signal_is_here():
+    """`claims`: a worker's death belongs to a stop pending in this process, or to a stop
+    signal that reaches this process within the wait (scancel may reach the worker first);
+    SIGKILL alone, or SIGTERM with no stop here, stays a data error."""
+    from plsc.data import DataError, WorkerDied
+    term, kill = WorkerDied([(7, -signal.SIGTERM)]), WorkerDied([(7, -signal.SIGKILL)])
+    with StopSignals() as stop:
+        start = time.time()
+        assert not stop.claims(kill, wait=5.0) and time.time() - start < 0.5  # no wait for 9
+        assert not stop.claims(term, wait=0.3) and time.time() - start > 0.3
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert stop.claims(term, wait=5.0)
+        assert stop.claims(kill) and not stop.claims(DataError("bad.jpg: cannot decode"))
+        assert 0 < stop.seconds_since_signal() < 5
 
 
 def test_auto_starts_fresh_then_resumes(tmp_path, data_root):

@@ -59,14 +59,15 @@ _LINE = "plsc: preempted before the test; nothing to save (signal {})"
     ("TERM,READY", 75, "TERM", _LINE.format("15, SIGTERM")),
     ("INT,READY", 75, "INT", _LINE.format("2, SIGINT")),
     ("TERM,TERM,READY", 75, "TERM,TERM", _LINE.format("15, SIGTERM")),  # the launcher's burst
-    ("TERM,INT", 130, "TERM", "plsc: second stop signal (SIGINT): ending at once"),
+    ("INT,INT", 130, "INT", "plsc: second stop signal (SIGINT): ending at once"),
+    ("TERM,INT,READY", 75, "TERM,INT", _LINE.format("15, SIGTERM")),  # a launcher's and scancel's
     ("READY,TERM", 75, "READY", "plsc: preempted before the test"),
     ("TERM,HANDOVER,TERM", 0, "TERM,HANDOVER,TERM", "kept 15\nafter HANDOVER\nnew handler"),
 ])
 def test_guard_keeps_a_signal_until_the_group_is_formed(steps, status, survived, expected):
     """The guard of a launched rank (no Paddle here): a signal is kept until `group_ready`,
-    then ends the process with 75; a second one (not a SIGTERM of the same burst) ends it at
-    once with 128 + n; `hand_over` passes a kept signal on to the new handler's owner.
+    then ends the process with 75; a second one that insists (`startup.same_request`: not a
+    signal of the same burst) ends it at once with 128 + n; `hand_over` passes a kept signal on to the new handler's owner.
     `survived`: the steps the process went past."""
     proc = subprocess.run([sys.executable, "-c", _GUARD, steps], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -3,9 +3,11 @@
     python -m paddle.distributed.launch --nproc_per_node 8 tools/train.py -c configs/arcface_r50.yaml
     python tools/train.py -c configs/demo.yaml -o Global.max_steps=100     # one process
 
-On SIGTERM or SIGINT (to any rank) every rank finishes the current step, a checkpoint is
-written and the process exits with status 75 ("preempted"); with Global.checkpoint: auto the
-same command resumes from it. Before the first step it exits with 75 at once (nothing to
+On SIGTERM or SIGINT (to any rank, its process group or every process of the job) every rank
+finishes the current step, a checkpoint is written and the process exits with status 75
+("preempted"); with Global.checkpoint: auto the same command resumes from it. A checkpoint
+predicted not to end within Checkpoint.grace_seconds of the signal is not started: the exit
+(75) names the checkpoint the next start resumes from. Before the first step it exits with 75 at once (nothing to
 save yet). When another rank dies, the others exit with status 69 and one line naming it.
 When a checkpoint cannot be written (disk full, I/O error) every rank exits with status 74
 and one line. An output folder that another job is using stops the job before its first step

@@ -8,7 +8,7 @@ protocols with five-point face alignment.
 """
 from .align import ARCFACE_POINTS, align_face, reference_points, similarity_transform
 from .datasets import ImageFolderDataset, ImageListDataset, ImagePathsDataset, RecordIODataset
-from .errors import DataError, PeerDataError
+from .errors import DataError, PeerDataError, WorkerDied
 from .facerec import image_keys, read_property, write_face_rec, write_property
 from .ijb import IJBFaceDataset, IJBMeta, check_ijb_images, ijb_paths, read_ijb_meta
 from .ijb_1n import ijb_1n_paths, read_ijb_1n_lists
@@ -21,7 +21,7 @@ from .transforms import FaceTransform, decode_image
 from .verification import load_verification_arrays, read_verification_bin, write_verification_bin
 
 __all__ = [
-    "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "ImagePathsDataset", "DataError", "PeerDataError",
+    "RecordIODataset", "ImageFolderDataset", "ImageListDataset", "ImagePathsDataset", "DataError", "PeerDataError", "WorkerDied",
     "RecordIOReader",
     "RecordIOWriter", "read_property", "write_property", "image_keys", "write_face_rec",
     "DistributedBatchSampler", "generate_synthetic", "FaceTransform", "decode_image", "read_verification_bin",

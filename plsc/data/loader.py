@@ -21,9 +21,14 @@ only once the slot is written, its pipe ends, a half message is dropped and the 
 `DataError`. Tasks (a few indices) go to the workers through one queue: a worker killed while
 taking one may leave it locked for the others, but its death ends the iteration anyway.
 
+Workers ignore SIGTERM and SIGINT (`ignore_stop_signals`): a stop belongs to the main process,
+which ends its workers itself (a worker whose main process is gone ends within a second); a
+worker that dies anyway is a `WorkerDied` naming how, which a stop in progress may claim.
+
 Samples a dataset skipped (its `skip_bad` policy: replaced by the next good one) are reported
 per batch to `on_skip` in the main process, whichever worker skipped them.
 """
+import contextlib
 import multiprocessing
 import numbers
 import os
@@ -38,11 +43,12 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from ..fileio import atomic_write
-from .errors import DataError
+from ..startup import SIGNALS as STOP_SIGNALS
+from .errors import DataError, WorkerDied
 from .slots import Slots
 from .tensors import to_tensor
 
-__all__ = ["DataLoader", "collate", "to_tensor"]
+__all__ = ["DataLoader", "collate", "forking", "ignore_stop_signals", "to_tensor"]
 
 _POLL_SECONDS = 1.0  # how often a waiting main thread checks that its workers are alive
 _HEADER = struct.Struct("<Q")  # a result message: its payload's length, then the pickled payload
@@ -124,16 +130,39 @@ def _load_into(slots, slot, dataset, indices, pause):
 
 
 def _pause(parent, pause_file):
-    """The test hook's pause: write our pid and sleep until killed (or orphaned)."""
+    """The test hook's pause: write our pid and sleep until killed (or orphaned); SIGTERM gets
+    its default action back, so that a test can kill the worker with it alone."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     atomic_write(pause_file, str(os.getpid()))
     while os.getppid() == parent:
         time.sleep(_POLL_SECONDS)
     os._exit(0)
 
 
+def ignore_stop_signals():
+    """In a forked helper process (a loader worker, a pool process): SIGTERM and SIGINT are
+    ignored, then unblocked (see `forking`). The main process owns a stop: a signal sent to
+    the whole process group, or to every process of a job (`scancel`), must not kill the
+    workers under it; it ends them itself, and an orphaned worker ends by itself."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def forking():
+    """Fork helper processes inside: SIGTERM and SIGINT are blocked in this thread meanwhile,
+    so a child inherits them blocked and none can land in it before `ignore_stop_signals`
+    (a signal sent to this process meanwhile waits and is delivered when the block ends)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _worker(dataset, slots, tasks, out, parent, readers):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ignore_stop_signals()
     for fd in readers:  # inherited read ends of the result pipes: only the main process reads
         os.close(fd)
     pause_at, pause_file = _pause_hook()
@@ -246,7 +275,8 @@ class DataLoader:
                 workers.append(ctx.Process(target=_worker, daemon=True, args=(
                     self.dataset, slots, tasks, write, os.getpid(), [p.fd for p in pipes])))
                 try:
-                    workers[-1].start()
+                    with forking():
+                        workers[-1].start()
                 finally:
                     os.close(write)  # the worker's alone: its death ends the pipe
             batches = iter(enumerate(self.batch_sampler))
@@ -297,14 +327,10 @@ class DataLoader:
 
     @staticmethod
     def _died(workers, suspect):
-        """Raise the DataError naming the dead workers (`suspect` among them)."""
+        """Raise the `WorkerDied` naming the dead workers (`suspect` among them)."""
         suspect.join(_POLL_SECONDS)  # its pipe may end a moment before its exit status is known
         dead = [w for w in workers if w.exitcode is not None] or [suspect]
-        how = ", ".join(f"pid {w.pid} " + ("closed its result pipe" if w.exitcode is None else
-                                           f"killed by signal {-w.exitcode}" if w.exitcode < 0 else
-                                           f"exit status {w.exitcode}") for w in dead)
-        raise DataError(f"a data loader worker died ({how}); if it ran out of memory, "
-                        "lower Data.num_workers or Data.batch_size") from None
+        raise WorkerDied([(w.pid, w.exitcode) for w in dead]) from None
 
     @staticmethod
     def _shutdown(workers, tasks, pipes):

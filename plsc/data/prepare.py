@@ -10,6 +10,7 @@ import numpy as np
 
 from .align import align_face
 from .errors import DataError
+from .loader import forking, ignore_stop_signals
 from .transforms import decode_image
 
 __all__ = ["read_landmark_list", "read_pairs", "aligned_jpeg", "aligned_or_error", "resized_jpeg", "in_order",
@@ -135,5 +136,7 @@ def in_order(fn, items, workers=1):
     if workers <= 1:
         yield from map(fn, items)
         return
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with forking():  # the pool's processes leave a stop to this one
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=ignore_stop_signals)
+    with pool:
         yield from pool.imap(fn, items, chunksize=16)

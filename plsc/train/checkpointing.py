@@ -1,16 +1,23 @@
 """The trainer's checkpoints: the state it saves (checked finite on every rank first) and the
 resume from one, on any world size."""
+import time
+
 import paddle
 
 from .. import distributed as pd
 from ..config import ConfigError
 from ..storage import all_rows_finite
-from ..checkpoint import (CheckpointManager, CheckpointSaveError, load_head_rows_into,
-                          local_optimizer_state, portable_optimizer_state, restore_rng,
-                          training_meta)
+from ..checkpoint import (CheckpointManager, CheckpointSaveError, head_array_bytes,
+                          load_head_rows_into, local_optimizer_state, portable_optimizer_state,
+                          restore_rng, training_meta)
 from ..checkpoint.layout import is_centre_array, state_array
 
 __all__ = ["Checkpointing"]
+
+
+def _tensor_bytes(values):
+    """Bytes of the Paddle tensors among `values`."""
+    return sum(v.size * v.element_size() for v in values if isinstance(v, paddle.Tensor))
 
 
 class Checkpointing:
@@ -38,7 +45,34 @@ class Checkpointing:
             return {}
         return {key: value.numpy().tolist() for key, value in margin.state_dict().items()}
 
+    def _save_bytes(self):
+        """About the bytes this rank writes in a checkpoint: its head arrays, and on rank 0 the
+        backbone and its optimizer's state. Optimizer state not made yet (before the first
+        step) counts as one copy of what it tracks per state array."""
+        head = sum(head_array_bytes(a) for a in self._head_arrays().values())
+        if not self.head_opt.state_dict():
+            head *= 1 + len(self.head_opt.state_names)
+        if self.rank != 0:
+            return head
+        params = _tensor_bytes(self.backbone.state_dict().values())
+        state = _tensor_bytes(self.backbone_opt.state_dict().values())
+        return head + params + (state or params)
+
+    def _check_grace(self, probe=False):
+        """At start (`probe`: measure the write rate first) and after a periodic save: warn
+        once when a stop checkpoint would not fit `Checkpoint.grace_seconds`; a collective."""
+        clock = self.save_clock
+        if not clock.enabled:
+            return
+        clock.nbytes = self._save_bytes()
+        if probe:
+            clock.probe(self.ckpt.root)
+        warning = clock.warning(self.world)
+        if warning:
+            self.log.warning(warning)
+
     def save(self):
+        started = time.monotonic()
         pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
         arrays = self._head_arrays()
@@ -58,6 +92,9 @@ class Checkpointing:
             self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
             {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
         self._saved_step = self.step
+        self.save_clock.nbytes = self._save_bytes()
+        self.save_clock.measured(self.save_clock.nbytes, time.monotonic() - started,
+                                 f"the save of step {self.step}")
         return self._saved_path
 
     def _check_finite_weights(self, head_arrays):

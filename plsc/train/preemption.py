@@ -34,6 +34,7 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
+from ..data import WorkerDied
 from ..data.tensors import to_tensor
 from .. import startup
 from ..exits import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
@@ -50,17 +51,31 @@ _PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|B
 
 class Preempted(Exception):
     """Training stopped at `step` because of signal `signum`; `checkpoint` holds the state
-    (None: stopped before this process's first step, nothing to save)."""
+    (None: stopped before this process's first step, nothing to save). `unsaved`: why no stop
+    checkpoint was written (it would not fit the grace period); `checkpoint` is then the last
+    complete one (None: none yet) and `resume_step` its step, from which a resume repeats the
+    steps up to `step`."""
 
-    def __init__(self, step, signum, checkpoint):
+    def __init__(self, step, signum, checkpoint, unsaved=None, resume_step=0):
         self.step, self.signum, self.checkpoint = int(step), int(signum), checkpoint
+        self.unsaved = unsaved
+        name = f"signal {self.signum} ({signal.Signals(self.signum).name})"
+        resume = ("resume with -o Global.checkpoint=latest (or Global.checkpoint: auto, the "
+                  "shipped configs' setting, resumes by itself)")
+        if unsaved is not None:
+            repeated = (f"step {self.step}" if resume_step + 1 == self.step
+                        else f"steps {resume_step + 1}-{self.step}")
+            start = (f"resumes from {checkpoint} (step {resume_step})" if checkpoint
+                     else "has no checkpoint to resume from and starts at step 0")
+            super().__init__(f"preempted: stopped at step {self.step} by {name}; no stop "
+                             f"checkpoint written: {unsaved}; the next start {start} and repeats "
+                             f"{repeated}; {resume}")
+            return
         if checkpoint is None:
             super().__init__(startup.preempted_message(self.signum, "the first step"))
             return
-        super().__init__(f"preempted: stopped at step {self.step} by signal {self.signum} "
-                         f"({signal.Signals(self.signum).name}); checkpoint {checkpoint}; resume "
-                         "with -o Global.checkpoint=latest (or Global.checkpoint: auto, the "
-                         "shipped configs' setting, resumes by itself)")
+        super().__init__(f"preempted: stopped at step {self.step} by {name}; checkpoint "
+                         f"{checkpoint}; {resume}")
 
 
 class RankLost(Exception):
@@ -97,8 +112,9 @@ class StopSignals:
     ending the process (only where handlers can be installed: the main thread); `agree` tells
     every rank. A second signal ends the process at once with status 128 + signal, whatever the
     main thread is doing (even waiting inside a collective): a thread reads the signals from
-    Python's wake-up pipe. SIGTERMs within `BURST_SECONDS` of a first SIGTERM count as that one:
-    Paddle's launcher sends up to three, 0.2 s apart, when it is itself terminated. It takes
+    Python's wake-up pipe. Stop signals within `BURST_SECONDS` of the first count as that one
+    (`plsc.startup.same_request`: a launcher's and a scheduler's signals of one stop), unless
+    both are SIGINT. A loader worker's death during a stop is part of it (`claims`). It takes
     over from `plsc.startup`'s guard (a signal the guard kept is recorded) and at its end puts
     back what was there before the guard."""
 
@@ -143,6 +159,25 @@ class StopSignals:
     def _record(self, signum, frame):
         if not self.signum:
             self.signum = int(signum)
+
+    def seconds_since_signal(self):
+        """Seconds since this process received its first stop signal, as the watcher thread
+        read it (0: none, or one kept from start-up)."""
+        return 0.0 if self._first_time is None else time.monotonic() - self._first_time
+
+    def claims(self, err, wait=BURST_SECONDS):
+        """Whether `err`, raised while loading a batch, is part of a stop rather than a data
+        error: a loader worker died (`WorkerDied`) while this process has a stop signal, or
+        every dead worker was killed by a stop signal and one reaches this process within
+        `wait` seconds (a scheduler signalling a job's processes one by one may reach a worker
+        first). A worker killed by SIGKILL alone, or by SIGTERM with no stop here, is not."""
+        if not isinstance(err, WorkerDied):
+            return False
+        if not self.signum and err.signals and set(err.signals) <= set(self.SIGNALS):
+            deadline = time.monotonic() + wait
+            while not self.signum and time.monotonic() < deadline:
+                time.sleep(0.02)  # the handler runs in this thread, between sleeps
+        return bool(self.signum)
 
     def _watch(self, fd):
         with os.fdopen(fd, "rb", buffering=0) as pipe:

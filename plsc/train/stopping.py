@@ -6,7 +6,7 @@ import functools
 
 from .. import distributed as pd
 from .. import startup
-from ..checkpoint import find_checkpoint
+from ..checkpoint import find_checkpoint, read_meta
 from ..data import PeerDataError
 from .divergence import Diverged
 from .preemption import Preempted, RankLost, peer_failure
@@ -70,14 +70,33 @@ class Stopping:
         self.log.close()
         raise err
 
-    def _stop(self, signum):
-        """A rank was asked to stop: checkpoint this step (unless just done, or unless this
-        process took no step: its state is the one it started from) and raise."""
+    def _stop(self, signum, since_signal=0.0):
+        """A rank was asked to stop (`since_signal` seconds ago on this rank): checkpoint this
+        step (unless just done, or unless this process took no step: its state is the one it
+        started from) and raise `Preempted`. A checkpoint that would not end within
+        Checkpoint.grace_seconds of the signal on some rank is not started: every rank exits
+        at once, naming the checkpoint the next start resumes from."""
         if not self.history:
-            path = None
+            err = Preempted(self.step, signum, None)
+        elif self._saved_step == self.step:
+            err = Preempted(self.step, signum, self._saved_path)
         else:
-            path = self.save() if self._saved_step != self.step else self._saved_path
-        err = Preempted(self.step, signum, path)
+            fits, seconds = self.save_clock.fits(since_signal, self.world)
+            if fits:
+                err = Preempted(self.step, signum, self.save())
+            else:
+                err = self._unsaved_stop(signum, seconds)
         self.log.info(str(err))
         self.log.close()
         raise err
+
+    def _unsaved_stop(self, signum, seconds):
+        """The `Preempted` of a stop whose checkpoint would end `seconds` after the signal,
+        past the grace period."""
+        clock = self.save_clock
+        last = find_checkpoint("auto", self.output_dir)
+        why = (f"it would end {seconds:.1f} s after the signal (a save takes "
+               f"{clock.describe(clock.predicted())}), past Checkpoint.grace_seconds="
+               f"{clock.grace:g}")
+        return Preempted(self.step, signum, last, unsaved=why,
+                         resume_step=read_meta(last)["step"] if last else 0)

@@ -25,6 +25,7 @@ from .builders import (build_backbone_optimizer, build_head_optimizer, build_mar
                        build_train_dataset)
 from .checkpointing import Checkpointing
 from .divergence import NonFiniteSteps
+from .grace import SaveClock
 from .grad_sync import OverlappedSum
 from .logger import TrainLogger, visualdl_dir
 from .preemption import StopSignals, host_group
@@ -162,6 +163,7 @@ class Trainer(Checkpointing, Stopping):
         self.log = TrainLogger(self.output_dir, self.total_steps, g["log_interval"],
                                enabled=self.rank == 0, visualdl=lg["visualdl"],
                                progress_bar=lg["progress_bar"])
+        self.save_clock = SaveClock(cfg["Checkpoint"]["grace_seconds"], self._save_bytes())
 
     def _tidy_output_dir(self):
         """Rank 0: remove what a crashed save left behind, repair `latest`, log the lock's
@@ -334,9 +336,11 @@ class Trainer(Checkpointing, Stopping):
             raise DataError(f"{messages[-1]}; rank {self.rank} met more than Data.skip_bad={limit} "
                             f"bad samples in epoch {self.epoch}: fix or remove them")
 
-    def _fetch(self, batches):
+    def _fetch(self, batches, stop):
         """(micro-batches of the next optimizer step or None at the end of the epoch, None) or
-        (None, the DataError that stopped loading them)."""
+        (None, the DataError that stopped loading them); (None, None) also when the error is
+        part of a stop (`stop.claims`: a loader worker killed by its signal), which the
+        agreement that follows then carries out."""
         micro = []
         try:
             while len(micro) < self.accumulate:
@@ -344,7 +348,7 @@ class Trainer(Checkpointing, Stopping):
         except StopIteration:
             return None, None  # a last incomplete group of micro-batches is dropped
         except DataError as err:
-            return None, err
+            return None, None if stop.claims(err) else err
         return micro, None
 
     def train(self):
@@ -375,6 +379,7 @@ class Trainer(Checkpointing, Stopping):
             with self._rank_failures(starting=True):
                 self.evaluate()
         with StopSignals() as stop, self._rank_failures():
+            self._check_grace(probe=True)
             while self.step < self.total_steps:
                 self._train_epoch(stop)
         self.log.close()
@@ -384,13 +389,13 @@ class Trainer(Checkpointing, Stopping):
         """Steps to the end of the epoch or of training."""
         with contextlib.closing(iter(self._loader())) as batches:  # its workers end with it
             while self.step < self.total_steps:
-                micro, error = self._fetch(batches)
+                micro, error = self._fetch(batches, stop)
                 # Before each step every rank learns of a signal or a data error anywhere.
                 signum, failed = stop.agree(data_failed=error is not None)
                 if failed >= 0:
                     self._data_stop(error, failed)
                 if signum:
-                    self._stop(signum)
+                    self._stop(signum, stop.seconds_since_signal())
                 if micro is None:
                     self.epoch += 1
                     self.batch_in_epoch = self.skipped_in_epoch = self._pending_skips = 0
@@ -425,6 +430,8 @@ class Trainer(Checkpointing, Stopping):
             self.evaluate()
         if self.step % self.cfg["Checkpoint"]["interval"] == 0 or last:
             self.save()
+            if not last:
+                self._check_grace()
 
     def evaluate(self):
         """Verify every target; keep the backbone of each target's best step so far."""
