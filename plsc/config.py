@@ -178,6 +178,9 @@ SCHEMA = {
                         "the backward instead of keeping them (same results, less memory, a "
                         "second forward); null: the model name's (arcface_torch's ViT-B/L/H: "
                         "true)", nullable=True),
+        "bn_unbiased_var": _k(bool, True, "BatchNorm running variance updated with the unbiased "
+                              "batch variance (x n/(n-1)), as torch's and so arcface_torch's; "
+                              "false: Paddle's biased one"),
     },
     "Loss": {
         # the margin and the keys margins read: the margins' table
