@@ -15,9 +15,9 @@ as arcface_torch's train_v2.py does with DDP's fp16 compression hook (cast, all-
 back: half the bytes; `plsc.distributed.start_sum` says what the wire carries on gloo). That
 hook also divides by the world size before its all-reduce, because DDP averages: each torch
 rank's loss is its local mean. plsc's convention sums (the head's loss is the global-batch
-mean, so each rank's gradient already carries the 1/k), so nothing is divided here: the 16-bit
-values summed are the ones torch's hook sums (equal where k is a power of two), of the same
-magnitude, with the same overflow point. The `extra` values (flags the trainer counts) are
+mean, so each rank's gradient already carries the 1/k), so nothing is divided here: the values
+rounded to 16 bits are those torch's hook sums (torch's local-mean gradient over k), of the
+same magnitude, with the same overflow point. The `extra` values (flags the trainer counts) are
 always summed in float32.
 """
 import functools
