@@ -6,7 +6,7 @@ import os
 from . import data
 from .checkpoint import load_paddle_file
 from .config import ConfigError
-from .models import build_model, model_options
+from .models import build_model, model_options, set_unbiased_var
 from .models.insightface import from_insightface, is_torch_file
 
 __all__ = ["build_backbone", "load_pretrained", "open_dataset", "DATA_HELP"]
@@ -20,7 +20,7 @@ def build_backbone(cfg):
     """The backbone of `cfg['Model']` for `cfg['Data']['image_size']` images. The keys only some
     backbones have (`Model.drop_path_rate`, `mask_ratio`, `patch_size`, `recompute`) override
     the name's values when set; set for a backbone without them, they are a ConfigError naming
-    the key."""
+    the key. Model.bn_unbiased_var sets how its BatchNorms update their running variance."""
     m = cfg["Model"]
     options = {key: m[key] for key in ("drop_path_rate", "mask_ratio", "patch_size", "recompute")
                if m.get(key) is not None}
@@ -29,9 +29,11 @@ def build_backbone(cfg):
             raise ConfigError(f"Model.{key}={value!r}: {m['name']} has no {key} (only "
                               f"{'IResNets and ' if key == 'recompute' else ''}ViTs have it); "
                               "leave it null")
-    return build_model(m["name"], embedding_size=m["embedding_size"],
-                       input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"],
-                       **options)
+    backbone = build_model(m["name"], embedding_size=m["embedding_size"],
+                           input_size=tuple(cfg["Data"]["image_size"]), dropout=m["dropout"],
+                           **options)
+    set_unbiased_var(backbone, m["bn_unbiased_var"])
+    return backbone
 
 
 def load_pretrained(backbone, path):

@@ -14,7 +14,7 @@ import re
 
 import yaml
 
-from .dtypes import HEAD_DTYPES
+from .dtypes import FLOAT_DTYPES, HEAD_DTYPES
 from .loss.table import (DEFAULT_MARGIN, MARGIN_KEYS, cosine_options, either, margin_names,
                          margin_row)
 
@@ -178,6 +178,9 @@ SCHEMA = {
                         "the backward instead of keeping them (same results, less memory, a "
                         "second forward); null: the model name's (arcface_torch's ViT-B/L/H: "
                         "true)", nullable=True),
+        "bn_unbiased_var": _k(bool, True, "BatchNorm running variance updated with the unbiased "
+                              "batch variance (x n/(n-1)), as torch's and so arcface_torch's; "
+                              "false: Paddle's biased one"),
     },
     "Loss": {
         # the margin and the keys margins read: the margins' table
@@ -242,6 +245,10 @@ SCHEMA = {
         "fused_head_update": _k(bool, True, "update the head's rows inside its backward (no "
                                 "weight-gradient array) where that is exact: no gradient "
                                 "accumulation, no float16 loss scaling"),
+        "grad_allreduce_dtype": _k(str, "float32", "what the backbone's gradient all-reduce "
+                                   "sends: float32, or float16/bfloat16 (half the bytes, as "
+                                   "arcface_torch's fp16 compression hook; the sum comes back "
+                                   "rounded to it)", choices=FLOAT_DTYPES),
     },
     "LRScheduler": {
         "name": _k(str, "poly", "poly, piecewise or cosine", choices=("poly", "piecewise", "cosine")),

@@ -1,8 +1,18 @@
-"""The buckets of `OverlappedSum` (its sums on real ranks: test_trainer_distributed.py)."""
+"""The backbone's gradient sum: `OverlappedSum`'s buckets; the sums on 2 real ranks with
+float32, float16 and bfloat16 on the wire against numpy (tests/grad_sync_ranks.py); the
+trainer with Optimizer.grad_allreduce_dtype=float16. (`OverlappedSum` against `sum_gradients`
+inside the trainer: test_trainer_distributed.py.)"""
+import os
+
+import numpy as np
 import paddle
 import pytest
 
+from grad_sync_ranks import SHAPES, WIRES, extra_values, local_gradients
+from trainer_common import make_backbone, make_data
 from plsc.train.grad_sync import OverlappedSum
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_buckets_follow_the_backward_and_the_byte_budget():
@@ -44,3 +54,97 @@ def test_an_all_reduce_failing_in_the_backward_is_raised_by_finish(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         summed.finish()
     assert info.value is lost
+
+
+def test_a_wire_dtype_outside_the_three_is_refused():
+    with pytest.raises(ValueError, match="float16"):
+        OverlappedSum(paddle.nn.Linear(2, 2).parameters(), dtype="int8")
+
+
+# ---- 2 ranks
+
+def round_to(x, dtype):
+    """numpy float32 -> the nearest `dtype` value (ties to even; float16 beyond 65504: inf),
+    as float32."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":  # keep the upper 16 bits, rounded on the lower 16 (finite x)
+        b = x.view(np.uint32).astype(np.uint64)
+        return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    return x
+
+
+def expected_sum(i, wire):
+    """Gradient `i` summed over the 2 ranks as a `wire` all-reduce returns it: the float32 sum
+    of the two ranks' `wire`-rounded gradients, rounded to `wire` (a 16-bit all-reduce
+    returns 16-bit values; for two addends rounding the exact sum once equals rounding its
+    float32 rounding, since float32's 24 bits are at least 2p + 2 for p = 11 and 8)."""
+    summed = round_to(local_gradients(0)[i], wire) + round_to(local_gradients(1)[i], wire)
+    return round_to(summed, wire)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, run_ranks):
+    """Both ranks' reports of tests/grad_sync_ranks.py."""
+    data = make_data(str(tmp_path_factory.getbasetemp() / "trainer_data"))
+    out = str(tmp_path_factory.mktemp("grad_sync"))
+    done = run_ranks(os.path.join(HERE, "grad_sync_ranks.py"), 2, ["--data", data, "--out", out],
+                     cwd=out, timeout=300)
+    assert done.status == 0 and all(done.reports), done.tail()
+    return done.reports
+
+
+@pytest.mark.parametrize("path", ["overlapped", "after"])
+@pytest.mark.parametrize("wire", WIRES)
+def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ranks, wire, path):
+    """Each rank's sums against numpy; the 16-bit sums differ from float32's (the rounding is
+    there to see), float16's overflow at 65504 included."""
+    for rank, report in enumerate(two_ranks):
+        for i in range(len(SHAPES)):
+            got = report[f"{wire}.{path}.grad{i}"]
+            want = expected_sum(i, wire)
+            assert got.dtype == np.float32 and got.shape == want.shape
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+                f"rank {rank} grad{i}: {int((got != want).sum())} elements differ"
+    if wire != "float32":
+        exact = [expected_sum(i, "float32") for i in range(len(SHAPES))]
+        rounded = [expected_sum(i, wire) for i in range(len(SHAPES))]
+        assert sum(int((a != b).sum()) for a, b in zip(exact, rounded)) > 100
+        assert np.isinf(rounded[0].reshape(-1)[4]) == (wire == "float16")
+
+
+@pytest.mark.parametrize("path", ["overlapped", "after"])
+@pytest.mark.parametrize("wire", WIRES)
+def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, wire, path):
+    """`extra` comes back as its exact float32 sum (values 16 bits cannot hold), and the
+    gradients' bytes on the wire in 16 bits are half of float32's: each rank hands Paddle's
+    collectives 2 bytes per gradient element (4 in float32) plus the float32 extra."""
+    extra = extra_values(0) + extra_values(1)
+    assert not np.array_equal(round_to(extra, "bfloat16"), extra)
+    elements = sum(int(np.prod(shape)) for shape in SHAPES)
+    extra_bytes = 4 * extra.size
+    for report in two_ranks:
+        assert np.array_equal(report[f"{wire}.{path}.extra"], extra)
+        counted = {key.rsplit(".", 1)[1]: int(v) for key, v in report.items()
+                   if key.startswith(f"{wire}.{path}.bytes.")}
+        if wire == "float32":
+            assert counted == {"float32": 4 * elements + extra_bytes}
+        else:
+            assert counted == {wire: 2 * elements, "float32": extra_bytes}
+
+
+def test_a_trainer_step_with_float16_gradient_all_reduce(two_ranks):
+    """Optimizer.grad_allreduce_dtype=float16: the step is applied with a finite loss, both
+    ranks' backbones equal bit for bit and moved, and every backbone gradient element went in
+    2 bytes (the head's collectives send no float16)."""
+    start = {n: p.numpy() for n, p in make_backbone(0).named_parameters()}
+    r0, r1 = two_ranks
+    for report in two_ranks:
+        assert report["trainer.applied"] == 1 and np.isfinite(report["trainer.loss"])
+        assert report["trainer.bytes.float16"] == 2 * report["trainer.grad_elements"]
+    for name, value in start.items():
+        a, b = r0[f"trainer.backbone.{name}"], r1[f"trainer.backbone.{name}"]
+        assert np.array_equal(a, b), name
+    assert any(not np.array_equal(r0[f"trainer.backbone.{n}"], v) for n, v in start.items())

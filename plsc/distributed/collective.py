@@ -9,11 +9,18 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
+from ..dtypes import FLOAT_DTYPES
+
 __all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_", "broadcast_",
-           "sync_buffers", "all_gather", "reduce_scatter", "failed_rank"]
+           "sync_buffers", "all_gather", "reduce_scatter", "failed_rank", "WIRE_DTYPES",
+           "start_sum"]
 
 # Backends whose process group implements reduce_scatter (gloo does not).
 _REDUCE_SCATTER_BACKENDS = ("NCCL", "BKCL", "XCCL", "FLAGCX")
+# Backends whose float16 all-reduce is wrong: gloo in Paddle 3.3.1 returns +inf for every
+# non-zero element of a float16 SUM (measured on 2 ranks; its bfloat16 SUM is right).
+_NO_FLOAT16_ALL_REDUCE = ("GLOO",)
+WIRE_DTYPES = FLOAT_DTYPES  # what `start_sum` may send
 
 
 def group_rank_size(group=None):
@@ -64,6 +71,53 @@ def all_reduce_(x, op="sum", group=None):
     if group_rank_size(group)[1] > 1:
         dist.all_reduce(x, op=ops[op], group=group)
     return x
+
+
+def start_sum(x, wire="float32", group=None):
+    """Start summing the float32 tensor `x` over the ranks of `group` with `wire` values on the
+    wire; returns `wait()`, which waits and returns the sum as float32 (for float32: `x`
+    itself, summed in place). One process: `x`, nothing rounded.
+
+    float16 or bfloat16: each rank sends `x` rounded to nearest `wire` and receives the sum
+    in `wire` (a `wire` all-reduce: half the bytes of float32's on any number of ranks).
+    Where the backend's float16 all-reduce is wrong (gloo), the float16 payloads are
+    all-gathered instead (each rank sends its float16 `x` to the k-1 others), summed in
+    float32 in rank order and rounded to float16 once. On 2 ranks that is what a float16
+    all-reduce returns, bit for bit: both give a+b rounded to float16, and rounding the exact
+    sum to float32 first changes nothing (24 bits >= 2*11 + 2, so no double rounding); the
+    all-gather then moves half float32's bytes too, on 4 ranks as many, beyond that more."""
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"wire must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
+    if group_rank_size(group)[1] == 1:
+        return lambda: x
+    if wire == "float32":
+        task = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+
+        def summed():
+            task.wait()
+            return x
+        return summed
+    with paddle.no_grad():
+        payload = x.astype(wire)
+    if wire == "float16" and dist.get_backend(group) in _NO_FLOAT16_ALL_REDUCE:
+        parts = []
+        task = dist.all_gather(parts, payload, group=group, sync_op=False)
+
+        def gathered_sum():
+            task.wait()
+            with paddle.no_grad():
+                total = parts[0].astype("float32")
+                for part in parts[1:]:  # rank order: the same sum on every rank
+                    total = total + part.astype("float32")
+                return total.astype(wire).astype("float32")
+        return gathered_sum
+    task = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+
+    def reduced():
+        task.wait()
+        with paddle.no_grad():
+            return payload.astype("float32")
+    return reduced
 
 
 def broadcast_(x, src=0, group=None):

@@ -12,6 +12,7 @@ insightface's arcface_torch weights in and out (`insightface.py`):
 """
 from .iresnet import (IBasicBlock, IResNet, iresnet18, iresnet34, iresnet50, iresnet100, iresnet200,
                       iresnet_tiny)
+from .batchnorm import set_unbiased_var
 from .layers import count_parameters
 from .insightface import (from_insightface, insightface_layout, insightface_to_plsc,
                           plsc_to_insightface, to_insightface)
@@ -24,5 +25,5 @@ __all__ = [
     "IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200",
     "iresnet_tiny", "MobileFaceNet", "mobilefacenet_large", "VisionTransformer",
     "from_insightface", "to_insightface", "insightface_to_plsc", "plsc_to_insightface",
-    "insightface_layout",
+    "insightface_layout", "set_unbiased_var",
 ]

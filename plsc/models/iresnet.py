@@ -2,6 +2,7 @@
 import paddle
 from paddle import nn
 
+from .batchnorm import BatchNorm2D
 from .conv import Conv2D
 from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
                      normal_attr)
@@ -29,7 +30,7 @@ def _conv(in_channels, out_channels, kernel_size, stride=1):
 
 
 def _bn(channels):
-    return nn.BatchNorm2D(channels, epsilon=1e-5)
+    return BatchNorm2D(channels, epsilon=1e-5)
 
 
 class IBasicBlock(nn.Layer):

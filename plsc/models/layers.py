@@ -4,6 +4,7 @@ import math
 import paddle
 from paddle import nn
 
+from .batchnorm import BatchNorm1D, BatchNorm2D
 from .conv import Conv2D
 from .prelu import PReLU
 
@@ -60,7 +61,7 @@ class FrozenScaleBatchNorm1D(nn.Layer):
             [num_features], attr=paddle.ParamAttr(trainable=False),
             default_initializer=nn.initializer.Constant(1.0))
         self.bias = self.create_parameter([num_features], is_bias=True)
-        self.norm = nn.BatchNorm1D(num_features, epsilon=epsilon, weight_attr=False, bias_attr=False)
+        self.norm = BatchNorm1D(num_features, epsilon=epsilon, weight_attr=False, bias_attr=False)
 
     def forward(self, x):
         return self.norm(x) * self.weight + self.bias
@@ -73,7 +74,7 @@ class ConvBNPReLU(nn.Sequential):
                  groups=1, activation=True, weight_attr=None):
         conv = Conv2D(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                       groups=groups, weight_attr=weight_attr, bias_attr=False)
-        layers = [conv, nn.BatchNorm2D(out_channels, epsilon=1e-5)]
+        layers = [conv, BatchNorm2D(out_channels, epsilon=1e-5)]
         if activation:
             layers.append(PReLU(out_channels))
         super().__init__(*layers)

@@ -2,6 +2,7 @@
 import paddle
 from paddle import nn
 
+from .batchnorm import BatchNorm1D, BatchNorm2D
 from .conv import Conv2D
 from .layers import ConvBNPReLU, as_hw, count_parameters, halve, kaiming_fan_out_attr
 from .. import cpu_setup
@@ -50,10 +51,10 @@ class GDC(nn.Layer):
         self.dw = Conv2D(channels, channels, (height, width), groups=channels,
                          weight_attr=kaiming_fan_out_attr(channels * height * width),
                          bias_attr=False)
-        self.bn = nn.BatchNorm2D(channels, epsilon=1e-5)
+        self.bn = BatchNorm2D(channels, epsilon=1e-5)
         self.linear = nn.Linear(channels, embedding_size,
                                 weight_attr=kaiming_fan_out_attr(embedding_size), bias_attr=False)
-        self.features = nn.BatchNorm1D(embedding_size, epsilon=1e-5)
+        self.features = BatchNorm1D(embedding_size, epsilon=1e-5)
 
     def forward(self, x):
         x = paddle.flatten(self.bn(self.dw(x)), start_axis=1)

@@ -28,6 +28,7 @@ checkpoint that saves `paddle.get_rng_state()` resumes them exactly.
 import paddle
 from paddle import nn
 
+from .batchnorm import BatchNorm1D
 from .conv import Conv2D
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .linear import Linear
@@ -65,7 +66,7 @@ def _layer_norm(dim):
 
 
 def _batch_norm(num_features):
-    return nn.BatchNorm1D(num_features, momentum=BN_MOMENTUM, epsilon=BN_EPS)
+    return BatchNorm1D(num_features, momentum=BN_MOMENTUM, epsilon=BN_EPS)
 
 
 class DropPath(nn.Layer):

@@ -9,11 +9,20 @@ waits for every bucket and writes the sums back. Each element is the same sum of
 values either way (the buckets only group elements), so on two ranks the results are equal
 bit for bit; on more ranks gloo's and NCCL's ring may add in another order where the bucket
 boundaries differ (float32 rounding).
+
+`dtype` float16 or bfloat16 (Optimizer.grad_allreduce_dtype) sends the gradients in 16 bits,
+as arcface_torch's train_v2.py does with DDP's fp16 compression hook (cast, all-reduce, cast
+back: half the bytes; `plsc.distributed.start_sum` says what the wire carries on gloo). That
+hook also divides by the world size before its all-reduce, because DDP averages: each torch
+rank's loss is its local mean. plsc's convention sums (the head's loss is the global-batch
+mean, so each rank's gradient already carries the 1/k), so nothing is divided here: the values
+rounded to 16 bits are those torch's hook sums (torch's local-mean gradient over k), of the
+same magnitude, with the same overflow point. The `extra` values (flags the trainer counts) are
+always summed in float32.
 """
 import functools
 
 import paddle
-import paddle.distributed as dist
 
 from .. import distributed as pd
 
@@ -23,14 +32,12 @@ BUCKET = 1 << 24  # elements per all-reduce of `sum_gradients`
 OVERLAP_BUCKET_BYTES = 25 << 20  # gradient bytes per all-reduce of `OverlappedSum`
 
 
-def _reduce_flat(bucket, group, sync=True):
-    """Concatenate the tensors of `bucket` and all-reduce (SUM) them: (flat, task or None)."""
+def _reduce_flat(bucket, group, dtype="float32"):
+    """Concatenate the tensors of `bucket` and start their sum with `dtype` values on the
+    wire; returns `wait()`, which returns the flat float32 sum."""
     with paddle.no_grad():
         flat = paddle.concat([b.reshape([-1]) for b in bucket])
-    if sync:
-        pd.all_reduce_(flat, "sum", group)
-        return flat, None
-    return flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+    return pd.start_sum(flat, dtype, group)
 
 
 def _write_back(bucket, flat):
@@ -41,22 +48,24 @@ def _write_back(bucket, flat):
             offset += b.size
 
 
-def sum_gradients(params, group=None, extra=None):
-    """All-reduce (SUM) the gradients of `params` in a few flat buckets. `extra`, a float32
-    tensor of a few values, rides along in the last bucket; returns it summed."""
+def sum_gradients(params, group=None, extra=None, dtype="float32"):
+    """All-reduce (SUM) the gradients of `params` in a few flat buckets, with `dtype` values on
+    the wire. `extra`, a float32 tensor of a few values, rides along in the last bucket (in
+    a float32 all-reduce of its own with a 16-bit `dtype`); returns it summed."""
     grads = [p.grad for p in params if p.grad is not None]
     if pd.group_rank_size(group)[1] == 1:
         return extra
-    if extra is not None:
+    if extra is not None and dtype == "float32":
         grads.append(extra)
+    elif extra is not None:
+        _write_back([extra], _reduce_flat([extra], group)())
     bucket, size = [], 0
     for g in grads + [None]:
         if g is not None:
             bucket.append(g)
             size += g.size
         if bucket and (g is None or size >= BUCKET):
-            flat, _ = _reduce_flat(bucket, group)
-            _write_back(bucket, flat)
+            _write_back(bucket, _reduce_flat(bucket, group, dtype)())
             bucket, size = [], 0
     return extra
 
@@ -66,11 +75,14 @@ class OverlappedSum:
 
     `arm()` before the backward whose gradients are to be summed (the last micro-batch's: the
     hooks of earlier backwards do nothing); `finish(extra)` after it, instead of
-    `sum_gradients(params, group, extra)`. Without `arm`, `finish` sends every bucket then."""
+    `sum_gradients(params, group, extra, dtype)`. Without `arm`, `finish` sends every bucket
+    then. `dtype`: what the wire carries (float32, float16, bfloat16)."""
 
-    def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES):
+    def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES, dtype="float32"):
+        if dtype not in pd.WIRE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(pd.WIRE_DTYPES)}, got {dtype!r}")
         self.params = [p for p in params if not p.stop_gradient]
-        self.group = group
+        self.group, self.dtype = group, dtype
         self.buckets, self._bucket_of = [], {}
         size = 0
         for p in reversed(self.params):  # the backward completes the last layers first
@@ -83,7 +95,7 @@ class OverlappedSum:
             self._bucket_of[id(p)] = len(self.buckets) - 1
         self._armed = False
         self._ready = [0] * len(self.buckets)
-        self._sent = {}  # bucket -> (its gradients, flat, task)
+        self._sent = {}  # bucket -> (its gradients, wait() giving their flat sum)
         self._error = None  # what a hook's all-reduce raised (e.g. a lost rank), for `finish`
         if pd.group_rank_size(group)[1] > 1:
             for p in self.params:
@@ -92,8 +104,8 @@ class OverlappedSum:
     def arm(self):
         """The next backward's completed gradients are all-reduced as their buckets fill
         (buckets an earlier armed backward sent are waited for and dropped)."""
-        for _, _, task in self._sent.values():
-            task.wait()
+        for _, wait in self._sent.values():
+            wait()
         self._armed = True
         self._ready = [0] * len(self.buckets)
         self._sent = {}
@@ -114,9 +126,9 @@ class OverlappedSum:
         grads = [p.grad for p in self.buckets[b] if p.grad is not None] if b is not None else []
         if extra is not None:
             grads.append(extra)
-        if grads:
-            flat, task = _reduce_flat(grads, self.group, sync=False)
-            self._sent[b] = (grads, flat, task)
+        if grads:  # `extra` (b None) goes alone, in float32
+            self._sent[b] = (grads, _reduce_flat(grads, self.group,
+                                                 self.dtype if b is not None else "float32"))
 
     def finish(self, extra=None):
         """Send the buckets not sent yet (gradients the backward did not reach, or all of
@@ -133,8 +145,7 @@ class OverlappedSum:
             if b not in self._sent:
                 self._send(b)
         self._send(None, extra)
-        for grads, flat, task in self._sent.values():
-            task.wait()
-            _write_back(grads, flat)
+        for grads, wait in self._sent.values():
+            _write_back(grads, wait())
         self._sent = {}
         return extra

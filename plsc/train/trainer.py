@@ -149,7 +149,8 @@ class Trainer(Checkpointing, Stopping):
         self.lr = StepLR(self._lr_fn())
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
         # The backbone's gradients are summed across ranks while the backward goes on.
-        self.gradient_sum = OverlappedSum(self.backbone.parameters())
+        self.gradient_sum = OverlappedSum(self.backbone.parameters(),
+                                          dtype=cfg["Optimizer"]["grad_allreduce_dtype"])
         self.head_opt = build_head_optimizer(cfg, self.lr)
         self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
         self.nonfinite = NonFiniteSteps(cfg["Global"]["max_nonfinite_steps"])

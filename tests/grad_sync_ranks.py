@@ -1,0 +1,157 @@
+"""The backbone's gradient sum on real gloo ranks, every case in one group
+(conftest.run_ranks):
+
+    tests/grad_sync_ranks.py --data DATA --out OUT
+
+For each wire dtype (float32, float16, bfloat16) and each way of summing (`OverlappedSum`
+started by the backward's hooks, `sum_gradients` after it), each rank sums its
+`local_gradients(rank)` and an `extra` of `extra_values(rank)`, counting what it hands to
+Paddle's collectives; then one trainer step with Optimizer.grad_allreduce_dtype=float16.
+Every rank reports its sums and counts (tests/rank_report.py, .npz): `<case>.grad<i>`,
+`<case>.extra`, `<case>.bytes.<wire dtype>` (payload bytes this rank sent: an all-reduce's
+tensor, an all-gather's input, which on 2 ranks is what a ring sends), and `trainer.*`.
+"""
+import argparse
+import os
+
+import numpy as np
+
+import rank_report
+
+SHAPES = ((7, 5), (300,), (3, 4, 2), (64,))
+WIRES = ("float32", "float16", "bfloat16")
+
+
+def local_gradients(rank):
+    """float32 gradients that differ by rank and element, from 1e-7 (float16 subnormals) to
+    3e4 (two of them overflow float16's 65504), with bfloat16 and float16 ties (values halfway
+    between two neighbours) in the first array."""
+    rng = np.random.RandomState(100 + rank)
+    grads = []
+    for shape in SHAPES:
+        size = int(np.prod(shape))
+        g = rng.normal(size=size) * 10.0 ** rng.uniform(-7, 4.5, size)
+        grads.append(g.astype(np.float32).reshape(shape))
+    first = grads[0].reshape(-1)
+    first[:4] = [1.0 + 2.0 ** -8 * (1 + 2 * rank),   # bfloat16 ties: 8 bits, the 9th set
+                 -(3.0 + 2.0 ** -7),
+                 1.0 + 2.0 ** -11 * (1 + 2 * rank),  # float16 ties: 11 bits, the 12th set
+                 2.0 ** -25 * 3]                     # between float16 subnormals
+    first[4] = 3.5e4  # float16 overflows in the sum (and bfloat16 does not)
+    return grads
+
+
+def extra_values(rank):
+    """A few float32 values that 16 bits cannot hold: their sum must come back float32-exact."""
+    return np.array([1.0 + 2.0 ** -20 * (rank + 1), float(rank)], np.float32)
+
+
+class ByteCount:
+    """Counts the payload bytes, by dtype, of Paddle's all-reduces and all-gathers (those of
+    `paddle.distributed` call these two functions of its `stream` module, the payload
+    positional: an all-reduce's tensor, an all-gather's input) while it is open."""
+
+    PAYLOAD = {"all_reduce": 0, "all_gather": 1}  # the payload's position in the call
+
+    def __init__(self):
+        from paddle.distributed.communication import stream
+        self.stream, self.counts = stream, {}
+        self.originals = {name: getattr(stream, name) for name in self.PAYLOAD}
+        for name, original in self.originals.items():
+            setattr(stream, name, self._counted(original, self.PAYLOAD[name]))
+
+    def _counted(self, original, index):
+        def wrapper(*args, **kwargs):
+            x = args[index]
+            dtype = str(x.dtype).replace("paddle.", "")
+            self.counts[dtype] = self.counts.get(dtype, 0) + int(x.size) * x.element_size()
+            return original(*args, **kwargs)
+        return wrapper
+
+    def close(self):
+        for name, original in self.originals.items():
+            setattr(self.stream, name, original)
+        return self.counts
+
+
+def sum_case(rank, wire, overlapped):
+    """This rank's sums of `local_gradients(rank)` and of `extra_values(rank)`, and the bytes
+    counted: {name: array}."""
+    import paddle
+    from plsc.train import grad_sync
+    from plsc.train.grad_sync import OverlappedSum, sum_gradients
+    local = local_gradients(rank)
+    params = [paddle.create_parameter(list(g.shape), "float32") for g in local]
+    summer = OverlappedSum(params, bucket_bytes=400 * 4, dtype=wire) if overlapped else None
+    if overlapped:
+        summer.arm()
+    extra = paddle.to_tensor(extra_values(rank))
+    loss = sum((p * paddle.to_tensor(g)).sum() for p, g in zip(params, local))
+    count = ByteCount()
+    try:
+        # the gradient of sum(p * g) is g exactly; the hooks start the buckets' sums as they fill
+        loss.backward()
+        if overlapped:
+            summer.finish(extra=extra)
+        else:
+            bucket = grad_sync.BUCKET
+            grad_sync.BUCKET = 400  # several buckets
+            try:
+                sum_gradients(params, extra=extra, dtype=wire)
+            finally:
+                grad_sync.BUCKET = bucket
+    finally:
+        counts = count.close()
+    out = {f"grad{i}": p.grad.numpy() for i, p in enumerate(params)}
+    out["extra"] = extra.numpy()
+    out.update({f"bytes.{dtype}": np.int64(n) for dtype, n in counts.items()})
+    return out
+
+
+def trainer_case(data, out, rank):
+    """One step of the trainer with Optimizer.grad_allreduce_dtype=float16: whether it was
+    applied, its loss, the backbone after it and the bytes its gradient sum sent."""
+    import paddle
+    from trainer_common import config, make_backbone
+    from trainer_ranks import global_batches
+    from plsc.train import Trainer
+    cfg = config(data, os.path.join(out, "run"), Optimizer={"grad_allreduce_dtype": "float16"})
+    trainer = Trainer(cfg, backbone=make_backbone(0))
+    images, labels = global_batches(2)[0]
+    sl = slice(rank * 3, (rank + 1) * 3)
+    count = ByteCount()
+    try:
+        loss = trainer.train_step([(paddle.to_tensor(images[sl]), paddle.to_tensor(labels[sl]))])
+    finally:
+        counts = count.close()
+    result = {"applied": np.int64(trainer.nonfinite.run == 0 and trainer.step == 1),
+              "loss": np.float64(loss),
+              "grad_elements": np.int64(sum(p.size for p in trainer.backbone.parameters()
+                                            if not p.stop_gradient))}
+    result.update({f"backbone.{n}": p.numpy() for n, p in trainer.backbone.named_parameters()})
+    result.update({f"bytes.{dtype}": np.int64(n) for dtype, n in counts.items()})
+    trainer.close()
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    import paddle
+    from plsc.distributed import get_rank, init
+    paddle.set_device("cpu")
+    init()
+    rank = get_rank()
+    report = {}
+    for wire in WIRES:
+        for overlapped in (True, False):
+            case = f"{wire}.{'overlapped' if overlapped else 'after'}"
+            report.update({f"{case}.{k}": v for k, v in sum_case(rank, wire, overlapped).items()})
+    report.update({f"trainer.{k}": v for k, v in trainer_case(args.data, args.out, rank).items()})
+    rank_report.write_arrays(report)
+
+
+if __name__ == "__main__":
+    main()
