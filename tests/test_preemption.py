@@ -1,7 +1,6 @@
 """Preemption and auto-resume: SIGTERM to one rank or to the launcher stops every rank after
 the same step with a checkpoint and exit status 75; `Global.checkpoint: auto` resumes from it
 and the run ends with the uninterrupted run's weights, bit for bit."""
-import glob
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import paddle
 import pytest
 import yaml
 
-from trainer_common import CLASSES, IMAGE, config, make_data
+from trainer_common import CLASSES, IMAGE, checkpoint_state, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint
 from plsc.train.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
@@ -223,11 +222,7 @@ def stop_steps(logs):
 
 def final_state(out):
     """Backbone and every head array of the final checkpoint, as stored."""
-    ckpt = os.path.join(out, "checkpoints", f"step_{STEPS:08d}")
-    state = {k: v.numpy() for k, v in paddle.load(os.path.join(ckpt, "backbone.pdparams")).items()}
-    for f in sorted(glob.glob(os.path.join(ckpt, "head_rank*", "*.npy"))):
-        state[os.path.relpath(f, ckpt)] = np.load(f)
-    return state
+    return checkpoint_state(out, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ import signal
 import time
 
 import numpy as np
-import paddle
 import pytest
 import yaml
 
-from trainer_common import CLASSES, IMAGE, make_data
+from trainer_common import CLASSES, IMAGE, checkpoint_state, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "stop_worker.py")
@@ -73,15 +72,6 @@ def write_config(tmp, data_root, ranks, workers, **sections):
     return str(path)
 
 
-def final_state(out, step=STEPS):
-    """Backbone and every head array of checkpoint `step`, as stored."""
-    ckpt = os.path.join(out, "checkpoints", f"step_{step:08d}")
-    state = {k: v.numpy() for k, v in paddle.load(os.path.join(ckpt, "backbone.pdparams")).items()}
-    for f in sorted(glob.glob(os.path.join(ckpt, "head_rank*", "*.npy"))):
-        state[os.path.relpath(f, ckpt)] = np.load(f)
-    return state
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data_root, run_ranks):
     """{ranks: final state} of runs that nothing stops."""
@@ -91,7 +81,7 @@ def uninterrupted(tmp_path_factory, data_root, run_ranks):
         done = run_ranks(WORKER, ranks, ["-c", write_config(tmp, data_root, ranks, 2)],
                          cwd=str(tmp), timeout=240)
         assert done.status == 0, done.tail()
-        states[ranks] = final_state(str(tmp / "out"))
+        states[ranks] = checkpoint_state(str(tmp / "out"), STEPS)
     return states
 
 
@@ -138,7 +128,7 @@ def test_every_stop_ends_with_a_checkpoint_and_resumes_exactly(
     again = run_ranks(WORKER, ranks, ["-c", cfg], cwd=str(tmp_path), timeout=240)
     assert again.status == 0, again.tail()
     assert f"resuming from {out}/checkpoints/step_{step:08d}" in again.logs[0], again.tail()
-    got, expected = final_state(out), uninterrupted[ranks]
+    got, expected = checkpoint_state(out, STEPS), uninterrupted[ranks]
     assert set(got) == set(expected)
     for key, value in expected.items():
         np.testing.assert_array_equal(got[key], value, err_msg=f"{what}: {key}")

@@ -1,5 +1,6 @@
 """Shared pieces of the trainer tests: a small config and a backbone without batch statistics."""
 import copy
+import glob
 import os
 
 import numpy as np
@@ -99,3 +100,13 @@ def assert_same_bits(a, b):
     for key in a:
         assert a[key].dtype == b[key].dtype, key
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def checkpoint_state(out, step):
+    """Backbone and every head array of checkpoint `step` under run folder `out`, as stored
+    ({name: numpy array}; head arrays by their path in the checkpoint)."""
+    ckpt = os.path.join(out, "checkpoints", f"step_{step:08d}")
+    state = {k: v.numpy() for k, v in paddle.load(os.path.join(ckpt, "backbone.pdparams")).items()}
+    for f in sorted(glob.glob(os.path.join(ckpt, "head_rank*", "*.npy"))):
+        state[os.path.relpath(f, ckpt)] = np.load(f)
+    return state
