@@ -28,9 +28,9 @@ def _human(n):
 
 class SaveClock:
     """This rank's save rate and the grace period it must fit. `nbytes`: what this rank writes
-    in a checkpoint."""
+    in a checkpoint (its owner keeps it current)."""
 
-    def __init__(self, grace_seconds, nbytes):
+    def __init__(self, grace_seconds, nbytes=0):
         self.grace = float(grace_seconds)
         self.nbytes = int(nbytes)
         self.rate = None  # bytes per second of the last measurement

@@ -164,7 +164,7 @@ class Trainer(Checkpointing, Stopping):
         self.log = TrainLogger(self.output_dir, self.total_steps, g["log_interval"],
                                enabled=self.rank == 0, visualdl=lg["visualdl"],
                                progress_bar=lg["progress_bar"])
-        self.save_clock = SaveClock(cfg["Checkpoint"]["grace_seconds"], self._save_bytes())
+        self.save_clock = SaveClock(cfg["Checkpoint"]["grace_seconds"])
 
     def _tidy_output_dir(self):
         """Rank 0: remove what a crashed save left behind, repair `latest`, log the lock's
