@@ -30,9 +30,8 @@ _LINE = re.compile(r"^# (recipe-value|plsc-differs): (\w+)\.(\w+) = (.+?)  \((.+
 _ALWAYS = ("Model.name", "Model.embedding_size", "Model.bn_unbiased_var", "Loss.margin",
            "Loss.scale", "Loss.num_classes", "Loss.sample_ratio", "Data.batch_size",
            "Optimizer.name", "Optimizer.lr", "Optimizer.base_batch_size",
-           "Optimizer.weight_decay", "Optimizer.grad_clip", "LRScheduler.name",
-           "LRScheduler.warmup_epochs", "Global.epochs",
-           "AMP.enable")
+           "Optimizer.weight_decay", "Optimizer.grad_clip", "Optimizer.grad_allreduce_dtype",
+           "LRScheduler.name", "LRScheduler.warmup_epochs", "Global.epochs", "AMP.enable")
 _BY_CHOICE = {("Optimizer", "name", "sgd"): ("Optimizer.momentum",),
               ("Optimizer", "name", "adamw"): ("Optimizer.betas",),
               ("LRScheduler", "name", "poly"): ("LRScheduler.power", "LRScheduler.warmup_indexing"),
