@@ -255,7 +255,11 @@ SCHEMA = {
         "warmup_epochs": _k(NUM, 0, "linear warmup length in epochs", low=0),
         "warmup_steps": _k(int, None, "linear warmup length in steps (overrides epochs)",
                            nullable=True),
-        "power": _k(NUM, 2.0, "poly: decay power"),
+        "warmup_indexing": _k(str, "plsc", "plsc: warmup step i (0-based) gets (i+1)/W of the "
+                              "rate; arcface_torch: as train_v2.py's PolynomialLRWarmup, step 0 "
+                              "the full rate and step i in 1..W i/W (docs/training.md#recipes)",
+                              choices=("plsc", "arcface_torch")),
+        "power": _k(NUM, 2.0, "poly: decay power (arcface_torch's PolynomialLRWarmup: 1)"),
         "end_lr": _k(NUM, 0.0, "poly/cosine: final learning rate"),
         "boundaries": _k(list, [], "piecewise: epochs at which lr is multiplied by gamma",
                           item=int, low=1),

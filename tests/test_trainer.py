@@ -239,3 +239,22 @@ def test_loss_scale_growth_does_not_change_the_step(tmp_path, data_root):
     assert trainer.scaler.scale == 4096.0
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_schedule_takes_the_warmup_indexing(tmp_path, data_root):
+    """LRScheduler.warmup_indexing reaches the trainer's rate: arcface_torch's train_v2.py runs
+    step 0 at the full rate and step i in 1..W at i/W, then decays linearly (power 1) over the
+    T - W steps after the warmup (PolynomialLRWarmup, lr_scheduler.py); plsc's default gives
+    (i+1)/W."""
+    rates = {}
+    for indexing in ("arcface_torch", "plsc"):
+        trainer = Trainer(config(data_root, str(tmp_path / indexing), Global={"max_steps": 8},
+                                 Optimizer={"lr": 0.2},
+                                 LRScheduler={"name": "poly", "warmup_steps": 4, "power": 1.0,
+                                              "warmup_indexing": indexing}))
+        rates[indexing] = [trainer.lr.lr_fn(i) for i in range(8)]
+    w, t = 4, 8
+    torch_like = [0.2] + [0.2 * i / w for i in range(1, w + 1)] + \
+        [0.2 * (1 - (i - w) / (t - w)) for i in range(w + 1, t)]
+    assert rates["arcface_torch"] == pytest.approx(torch_like, rel=1e-12)
+    assert rates["plsc"][:w] == pytest.approx([0.2 * (i + 1) / w for i in range(w)], rel=1e-12)

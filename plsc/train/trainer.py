@@ -224,7 +224,7 @@ class Trainer(Checkpointing, Stopping):
         return make_lr_fn(s["name"], base, self.total_steps, min(warmup, self.total_steps),
                           power=s["power"], end_lr=s["end_lr"],
                           boundaries=[b * self.steps_per_epoch for b in s["boundaries"]],
-                          gamma=s["gamma"])
+                          gamma=s["gamma"], warmup_indexing=s["warmup_indexing"])
 
     # ----------------------------------------------------------------- steps
     def forward_backward(self, images, labels, loss_factor=1.0):
