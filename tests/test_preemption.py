@@ -1,6 +1,7 @@
-"""Preemption and auto-resume: SIGTERM to one rank or to the launcher stops every rank after
+"""Preemption and auto-resume: SIGTERM to one rank stops every rank after
 the same step with a checkpoint and exit status 75; `Global.checkpoint: auto` resumes from it
-and the run ends with the uninterrupted run's weights, bit for bit."""
+and the run ends with the uninterrupted run's weights, bit for bit (every other way a stop
+arrives: tests/test_stop_paths.py)."""
 import os
 import re
 import signal
@@ -252,23 +253,6 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step(tmp_path, data_root, un
     assert done.status == PREEMPTED_EXIT_CODE, done.tail()  # the launcher passes it on
     assert stop_steps(done.logs) == [3, 3], done.tail(2000)
     assert_resumes_to(run_ranks, tmp_path, data_root, 3, uninterrupted)
-
-
-def test_sigterm_to_the_launcher_stops_both_at_the_same_step(tmp_path, data_root, uninterrupted,
-                                                             run_ranks):
-    group = launch(run_ranks, tmp_path, data_root, pause=0.5, wait=False)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # wait until the run is between steps 2 and STEPS
-        if re.search(r"step [2-9]/8", group.log(0)):
-            break
-        time.sleep(0.2)
-    group.send_signal(signal.SIGTERM)
-    done = group.wait()
-    assert done.status == signal.SIGTERM, done.tail()  # the launcher exits with the signal number
-    assert all("plsc: preempted: stopped at step" in t for t in done.logs)
-    steps = stop_steps(done.logs)
-    assert steps[0] is not None and steps[0] == steps[1] and steps[0] < STEPS, done.tail(2000)
-    assert_resumes_to(run_ranks, tmp_path, data_root, steps[0], uninterrupted)
 
 
 def test_peer_failures_are_recognised():
