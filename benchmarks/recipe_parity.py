@@ -132,7 +132,7 @@ def plsc_config(args, spec, work):
 def run_plsc(args, spec, work, lrs):
     """plsc's Trainer on the saved batches: (losses, {arcface_torch key: final array},
     final head weight, the config's recipe-relevant values)."""
-    import plsc  # noqa: F401  -- before paddle: plsc's CPU set-up (MKL's kernels) precedes any matrix product
+    import plsc  # noqa: F401  -- before paddle: plsc's CPU set-up precedes any matrix product
     import paddle
     from plsc.models import plsc_to_insightface
     from plsc.train import Trainer
@@ -157,9 +157,7 @@ def run_plsc(args, spec, work, lrs):
         final = plsc_to_insightface(trainer.backbone)
         head = trainer.head.weight.numpy()
         o, loss, m = cfg["Optimizer"], cfg["Loss"], cfg["Model"]
-        options = {"margin": loss["margin"], "scale": loss["scale"],
-                   "m2": loss["m2"], "m3": loss["m3"],
-                   "straight_through": loss["straight_through"],
+        options = {"margin": repr(trainer.head.margin),  # the margin built, with its values
                    "sample_ratio": loss["sample_ratio"], "optimizer": o["name"],
                    "momentum": o["momentum"] if o["name"] == "sgd" else None,
                    "betas": o["betas"] if o["name"] == "adamw" else None,
@@ -224,7 +222,8 @@ def run_case(args, case):
         losses, final_plsc, head_plsc, options = run_plsc(args, spec, work, lrs)
         t_plsc = time.time() - t0
         if args.work:  # for a closer look, key by key
-            np.savez(os.path.join(work, "final_plsc.npz"), **final_plsc, **{"head.weight": head_plsc})
+            np.savez(os.path.join(work, "final_plsc.npz"), **final_plsc,
+                     **{"head.weight": head_plsc})
 
         from plsc import torchfile
         init = {k: np.asarray(v) for k, v in
