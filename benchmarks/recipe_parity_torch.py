@@ -1,0 +1,192 @@
+"""The torch side of `benchmarks/recipe_parity.py`: run by a torch interpreter with an
+arcface_torch checkout, never imported by plsc, its tests or CI.
+
+It builds the case's backbone (`backbones.get_model`, or arcface_torch's `VisionTransformer`
+with ViT-T's arguments) and `PartialFC_V2` with `CombinedMarginLoss` from the checkout with a
+seed, and trains them as `train_v2.py` does on one process (fp16 off): forward, head loss,
+`loss.backward()`, `clip_grad_norm_(backbone.parameters(), 5)`, the optimizer over the
+backbone's and the head's parameters (SGD momentum 0.9 or AdamW), `PolynomialLRWarmup.step()`.
+It does so twice from the same initial weights on the same batches: in float32 and in float64
+(`torch.set_default_dtype(torch.float64)`, the model and the inputs double). A third run,
+t32x, is float32 with one change, the clip's global norm summed in float64 (`exact_clip`):
+torch's own float32 norm is the largest float32 error of the step, and t32x shows the rest.
+
+Writes into --out: `init_backbone.pt` (torch.save of the initial state_dict, what plsc imports),
+`init_head.npy`, `images.npy` `[steps, B, 3, 112, 112]` float32, `labels.npy` `[steps, B]`,
+`final_{t32,t64,t32x}.npz` (the final backbone state_dict in arcface_torch's keys, `head.weight`),
+and `torch.json` (per-step losses, learning rates, pre-clip gradient norms, versions).
+
+Compatibility shims (they change no arithmetic), all applied here and not in the checkout:
+- torch >= 2.6's `LRScheduler.__init__` has no `verbose` argument, which `PolynomialLRWarmup`
+  passes: it is dropped.
+- `PartialFC_V2` calls `.cuda()`: on this CPU-only run `Tensor.cuda` returns the tensor itself.
+- It asserts an initialised process group: a gloo group of one process.
+- float64 run only: arcface_torch's ViT calls `.float()` on its activations (q, k, v and the
+  final norm's input), which would drop the float64 run to float32 there; `Tensor.float`
+  returns a float64 tensor unchanged during that run.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import socket
+import sys
+
+import numpy as np
+import torch
+
+CASES = {
+    # name: (network, margin_list (m1, m2, m3), optimizer, lr, weight_decay, num_classes)
+    "iresnet18_arcface": ("r18", (1.0, 0.5, 0.0), "sgd", 0.1, 5e-4, 100),
+    "iresnet50_cosface_pfc": ("r50", (1.0, 0.0, 0.4), "sgd", 0.1, 5e-4, 200),
+    "vit_t_adamw": ("vit_t", (1.0, 0.0, 0.4), "adamw", 1e-3, 0.1, 100),
+}
+SCALE = 64.0  # train_v2.py: CombinedMarginLoss(64, *margin_list, ...)
+EMBEDDING = 512
+CLIP = 5.0  # train_v2.py: clip_grad_norm_(backbone.parameters(), 5)
+
+
+def shims():
+    from torch.optim import lr_scheduler
+    init = lr_scheduler.LRScheduler.__init__
+
+    def no_verbose(self, optimizer, last_epoch=-1, verbose=None):
+        init(self, optimizer, last_epoch)
+
+    lr_scheduler.LRScheduler.__init__ = no_verbose
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                             rank=0, world_size=1)
+
+
+def build_backbone(network):
+    from backbones import get_model
+    if network == "vit_t":
+        # get_model("vit_t")'s arguments, with stochastic depth and masking off: their random
+        # draws come from torch's generator and cannot be replayed in Paddle.
+        from backbones.vit import VisionTransformer
+        return VisionTransformer(img_size=112, patch_size=9, num_classes=EMBEDDING, embed_dim=256,
+                                 depth=12, num_heads=8, drop_path_rate=0.0, norm_layer="ln",
+                                 mask_ratio=0.0)
+    return get_model(network, dropout=0.0, fp16=False, num_features=EMBEDDING)
+
+
+def build_head(margin_list, num_classes):
+    from losses import CombinedMarginLoss
+    from partial_fc_v2 import PartialFC_V2
+    margin = CombinedMarginLoss(SCALE, *margin_list, 0)
+    return PartialFC_V2(margin, EMBEDDING, num_classes, 1.0, False)
+
+
+def exact_clip(parameters, max_norm):
+    """`clip_grad_norm_`'s scaling with the global norm summed in float64: torch's float32
+    `vector_norm` on the CPU (what `clip_grad_norm_` uses) is off by about 4e-4 of the norm on a
+    12.8M-element tensor (IResNet's fc.weight), which rescales every clipped update by as much."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = math.sqrt(sum(float(torch.sum(g.double() * g.double())) for g in grads))
+    coef = min(1.0, max_norm / (total + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def train(case, init_backbone, init_head, images, labels, steps, dtype, warmup, total,
+          exact_norm=False):
+    from lr_scheduler import PolynomialLRWarmup
+    network, margin_list, opt_name, lr, wd, num_classes = CASES[case]
+    torch.set_default_dtype(dtype)
+    float_method = torch.Tensor.float
+    if dtype == torch.float64:
+        torch.Tensor.float = lambda self, *a, **k: (self if self.dtype == torch.float64
+                                                     else float_method(self, *a, **k))
+    try:
+        backbone = build_backbone(network)
+        backbone.load_state_dict(init_backbone)  # copies into the parameters' dtype
+        head = build_head(margin_list, num_classes)
+        with torch.no_grad():
+            head.weight.copy_(init_head)
+        backbone.train()
+        head.train()
+        groups = [{"params": backbone.parameters()}, {"params": head.parameters()}]
+        if opt_name == "sgd":
+            opt = torch.optim.SGD(params=groups, lr=lr, momentum=0.9, weight_decay=wd)
+        else:
+            opt = torch.optim.AdamW(params=groups, lr=lr, weight_decay=wd)
+        sched = PolynomialLRWarmup(optimizer=opt, warmup_iters=warmup, total_iters=total)
+        losses, lrs, norms = [], [], []
+        for step in range(steps):
+            lrs.append(opt.param_groups[0]["lr"])
+            img = torch.from_numpy(images[step]).to(dtype)
+            lab = torch.from_numpy(labels[step]).long()
+            loss = head(backbone(img), lab)
+            loss.backward()
+            if exact_norm:
+                norms.append(exact_clip(backbone.parameters(), CLIP))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(backbone.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(float(loss.item()))
+        final = {k: v.detach().cpu().numpy() for k, v in backbone.state_dict().items()}
+        final["head.weight"] = head.weight.detach().cpu().numpy()
+        return losses, lrs, norms, final
+    finally:
+        torch.Tensor.float = float_method
+        torch.set_default_dtype(torch.float32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arcface-torch", required=True)
+    ap.add_argument("--case", required=True, choices=sorted(CASES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--total", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=2048)  # arcface_torch's configs/base.py seed
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, os.path.abspath(args.arcface_torch))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shims()
+    network, margin_list, opt_name, lr, wd, num_classes = CASES[args.case]
+
+    torch.manual_seed(args.seed)  # arcface_torch's setup_seed does this (and numpy's, random's)
+    backbone = build_backbone(network)
+    head = build_head(margin_list, num_classes)
+    init_backbone = copy.deepcopy(backbone.state_dict())
+    init_head = head.weight.detach().clone()
+    del backbone, head
+    torch.save(init_backbone, os.path.join(args.out, "init_backbone.pt"))
+    np.save(os.path.join(args.out, "init_head.npy"), init_head.numpy())
+
+    rng = np.random.default_rng(args.seed)
+    # Images as train_v2's loader gives them ((x/255 - 0.5)/0.5, so in [-1, 1]), random labels.
+    images = rng.uniform(-1.0, 1.0, (args.steps, args.batch, 3, 112, 112)).astype(np.float32)
+    labels = rng.integers(0, num_classes, (args.steps, args.batch)).astype(np.int64)
+    np.save(os.path.join(args.out, "images.npy"), images)
+    np.save(os.path.join(args.out, "labels.npy"), labels)
+
+    report = {"torch": torch.__version__, "numpy": np.__version__,
+              "threads": torch.get_num_threads()}
+    # t32x: float32 with the clip's norm summed in float64 (a stricter float32 yardstick)
+    for tag, dtype, exact in (("t32", torch.float32, False), ("t64", torch.float64, False),
+                              ("t32x", torch.float32, True)):
+        losses, lrs, norms, final = train(args.case, init_backbone, init_head, images, labels,
+                                          args.steps, dtype, args.warmup, args.total, exact)
+        np.savez(os.path.join(args.out, f"final_{tag}.npz"), **final)
+        report[tag] = {"losses": losses, "lrs": lrs, "grad_norms": norms}
+    with open(os.path.join(args.out, "torch.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
