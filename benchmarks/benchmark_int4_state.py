@@ -58,15 +58,15 @@ def dynamic_exponent():
     return np.concatenate([-pos[::-1], [0.0], pos])
 
 
-SIGNED = {"int4 (linear, c/7)": np.arange(-7, 8) / 7.0,
-          "int4_log (±2^-k, k<7)": signed_log(1.0),
-          "int4_log_half (±2^-k/2, k<7)": signed_log(0.5),
-          "int4_dynamic_exponent": dynamic_exponent()}
-UNSIGNED = {"uint4 (linear, c/15)": np.arange(16) / 15.0,
-            "uint4_nozero (linear, (c+1)/16)": (np.arange(16) + 1) / 16.0,
-            "uint4_log (2^-k, k<15)": unsigned_log(1.0),
-            "uint4_log2 (2^-2k, k<15)": unsigned_log(2.0),
-            "uint4_log_half (2^-k/2, k<15)": unsigned_log(0.5)}
+SIGNED = {"linear (c/7)": np.arange(-7, 8) / 7.0,
+          "log, octaves (±2^-k, k < 7)": signed_log(1.0),
+          "log, half octaves (±2^-k/2, k < 7): int4_log": signed_log(0.5),
+          "dynamic exponent (Li et al.)": dynamic_exponent()}
+UNSIGNED = {"linear (c/15)": np.arange(16) / 15.0,
+            "linear without 0 ((c+1)/16)": (np.arange(16) + 1) / 16.0,
+            "log, octaves (2^-k, k < 15)": unsigned_log(1.0),
+            "log, two octaves (2^-2k, k < 15)": unsigned_log(2.0),
+            "log, half octaves (2^-k/2, k < 15): uint4_log": unsigned_log(0.5)}
 
 
 def quantise(x, table, block, zero_rule=True):

@@ -419,3 +419,51 @@ def test_options_and_loads_across_dtypes(tmp_path):
     f32 = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, paddle.zeros([20, 2 * B]))
     np.testing.assert_array_equal(f32.numpy(), values_of(a.codes.numpy(), a.scale.numpy(),
                                                          "int4_log", 2 * B).astype(np.float32))
+
+
+def oracle_records(x, name):
+    """How a checkpoint stores float32 rows `x` as 4-bit map `name` (nearest), from this
+    file's oracle: records of (block scales, bytes with element 2j in the low nibble)."""
+    index, edge = oracle_index(x, name)
+    assert not edge.any()
+    nib = (index - (7 if name == "int4_log" else 0)) % 16
+    out = np.empty(x.shape[0], [("scale", "<f4", (-(-x.shape[1] // B),)),
+                                ("codes", "u1", (x.shape[1] // 2,))])
+    out["scale"], out["codes"] = oracle_scales(x), nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return out
+
+
+def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
+    """A 4-bit checkpoint of 2 ranks re-sharded for 3 keeps every record bit for bit and loads
+    into 4-bit rows as stored; float32 and int8 checkpoints load into 4-bit rows quantised to
+    nearest from their values (this file's oracle)."""
+    import plsc.checkpoint as ckpt
+    import plsc.checkpoint.head_arrays as store
+    from plsc.distributed import ClassPartition
+    from plsc.quantized import Int8Rows
+    from dtypes.test_checkpoint import C, write_checkpoint
+    d = 2 * B + 4
+    monkeypatch.setattr(store, "_SLAB_BYTES", 2 * (12 + d // 2))  # slabs of 2 records
+    x = rows(n=C, d=d, seed=8)
+    rec = oracle_records(x, "int4_log")
+    src = write_checkpoint(tmp_path / "ck", {"opt.weight.velocity": ("int4_log", rec)}, 2)
+    dst = ckpt.reshard_checkpoint(src, str(tmp_path / "three"), 3)
+    assert ckpt.read_meta(dst)["head_dtypes"] == {"opt.weight.velocity": "int4_log"}
+    parts = [np.load(f"{dst}/head_rank{r}/opt.weight.velocity.npy") for r in range(3)]
+    assert np.concatenate(parts).tobytes() == rec.tobytes()
+    part = ClassPartition(C, 3)
+    for r in range(3):
+        lo, n = part.class_start(r), part.num_local(r)
+        mine = ckpt.load_head_rows_into(dst, "opt.weight.velocity", lo, Int4Rows.zeros([n, d]))
+        np.testing.assert_array_equal(mine.codes.numpy(), rec["codes"][lo:lo + n])
+        np.testing.assert_array_equal(mine.scale.numpy(), rec["scale"][lo:lo + n])
+    v8 = Int8Rows.from_float(paddle.to_tensor(x))
+    as_f32 = rows_f32(v8).numpy()
+    int8_rec = np.empty(C, [("scale", "<f4"), ("codes", "i1", (d,))])
+    int8_rec["scale"], int8_rec["codes"] = v8.scale.numpy(), v8.codes.numpy()
+    for kind, stored_rows, values in (("float32", x, x), ("int8", int8_rec, as_f32)):
+        path = write_checkpoint(tmp_path / kind, {"opt.weight.velocity": (kind, stored_rows)}, 2)
+        mine = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, Int4Rows.zeros([C, d]))
+        want = oracle_records(values, "int4_log")
+        np.testing.assert_array_equal(mine.codes.numpy(), want["codes"], err_msg=kind)
+        np.testing.assert_array_equal(mine.scale.numpy(), want["scale"], err_msg=kind)
