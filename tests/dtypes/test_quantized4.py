@@ -316,7 +316,7 @@ def _partial_fc_run(opt_cls, fused, steps, sub_centers=1, chunk="auto", ratio=0.
     batches = [(rng.normal(size=(12, 2 * B)).astype(np.float32), rng.randint(0, 60, 12))
                for _ in range(4)]
     for x, y in batches[steps[0]:steps[1]]:
-        x, y = paddle.to_tensor(x), paddle.to_tensor(y)
+        x, y = paddle.to_tensor(x, stop_gradient=False), paddle.to_tensor(y)
         if fused:
             head.row_update = opt.fused_update(head)
             head(x, y).backward()
@@ -342,13 +342,15 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("opt_cls", [SparseMomentum, SparseAdamW])
-@pytest.mark.parametrize("sub_centers,chunk", [(1, "auto"), (2, 16)])
-def test_fused_update_equals_separate_and_writes_4_bit_state(opt_cls, sub_centers, chunk):
-    """Partial FC (int8 centres, 4-bit state; sub-centres and a chunked head too): the update
-    inside the backward gives the separate update's bytes and scales bit for bit, and the state
-    is 4-bit rows of the maps' names that moved."""
-    separate = _bits(*_partial_fc_run(opt_cls, False, (0, 3), sub_centers, chunk))
-    fused_head, fused_opt = _partial_fc_run(opt_cls, True, (0, 3), sub_centers, chunk)
+@pytest.mark.parametrize("sub_centers,chunk,ratio", [(1, "auto", 0.3), (2, 16, 0.3),
+                                                    (1, "auto", 1.0), (1, 16, 1.0)])
+def test_fused_update_equals_separate_and_writes_4_bit_state(opt_cls, sub_centers, chunk,
+                                                               ratio):
+    """int8 centres and 4-bit state, Partial FC and dense, sub-centres and a chunked head: the
+    update inside the backward gives the separate update's bytes and scales bit for bit, and
+    the state is 4-bit rows that moved."""
+    separate = _bits(*_partial_fc_run(opt_cls, False, (0, 3), sub_centers, chunk, ratio))
+    fused_head, fused_opt = _partial_fc_run(opt_cls, True, (0, 3), sub_centers, chunk, ratio)
     _assert_same(separate, _bits(fused_head, fused_opt))
     state = fused_opt.state_dict()
     for key in opt_cls.state_names:
