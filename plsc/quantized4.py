@@ -56,6 +56,24 @@ INT4_MAPS = {"int4_log": _Map("int4_log", *_table(True), "uint8"),
 assert tuple(INT4_MAPS) == INT4_MAP_NAMES  # `first`: the index of 0 in the table
 
 
+def _by_nibble(m):
+    """The map's values indexed by a stored nibble (16; the signed map's unused nibble 8: 0)."""
+    values = np.zeros(16, np.float32)
+    values[(np.arange(len(m.table)) - m.first) % 16] = m.table
+    return values
+
+
+_NIBBLE_VALUES = {name: _by_nibble(m) for name, m in INT4_MAPS.items()}
+_CONSTS = {}  # tensors made once per device
+
+
+def _nibble_values(name, place):
+    key = (name, str(place))
+    if key not in _CONSTS:
+        _CONSTS[key] = paddle.to_tensor(_NIBBLE_VALUES[name], place=place)
+    return _CONSTS[key]
+
+
 def blocks(width):
     """Scales of a row of `width` values."""
     return -(-int(width) // BLOCK)
@@ -67,13 +85,11 @@ def record_dtype(name, width):
 
 
 def _consts(place):
+    """0-d uint8 constants 0 … 15 on `place`, made once."""
     key = ("consts", str(place))
     if key not in _CONSTS:
         _CONSTS[key] = {v: paddle.full([], v, "uint8").to(place) for v in range(16)}
     return _CONSTS[key]
-
-
-_CONSTS = {}
 
 
 def pack(index, zero):
@@ -119,11 +135,11 @@ def dequantize(codes, scale, name):
         c, s, o = (as_numpy(t).reshape(-1, t.shape[-1]) for t in (codes, scale, out))
 
         def rows(lo, hi):
-            v = _blocked(np.take(m.table, unpack(c[lo:hi], m.first)))
+            v = _blocked(np.take(_NIBBLE_VALUES[name], unpack(c[lo:hi], 0)))
             o[lo:hi] = _unblocked(v * s[lo:hi, :, None], width)
         run_rows(rows, c.shape[0], max(1, _SLAB_VALUES // max(1, width)))
         return out
-    values = paddle.gather(m.table_on(codes.place), unpack(codes, m.first).reshape([-1]))
+    values = paddle.gather(_nibble_values(name, codes.place), unpack(codes, 0).reshape([-1]))
     values = _blocked(values.reshape(codes.shape[:-1] + [width]))
     return _unblocked(values.multiply_(scale.unsqueeze(-1)), width)
 
