@@ -127,15 +127,15 @@ def _on_cpu(*tensors):
 
 def dequantize(codes, scale, name):
     """float32 values `[..., 2m]` of bytes `codes` (`[..., m]`) with `scale` (`[..., blocks]`)
-    under map `name`."""
-    m = INT4_MAPS[name]
+    under map `name` (the map's values looked up by stored nibble)."""
+    by_nibble = _NIBBLE_VALUES[name]
     width = 2 * codes.shape[-1]
     if _on_cpu(codes, scale):
         out = paddle.empty(codes.shape[:-1] + [width], "float32")
         c, s, o = (as_numpy(t).reshape(-1, t.shape[-1]) for t in (codes, scale, out))
 
         def rows(lo, hi):
-            v = _blocked(np.take(_NIBBLE_VALUES[name], unpack(c[lo:hi], 0)))
+            v = _blocked(np.take(by_nibble, unpack(c[lo:hi], 0)))
             o[lo:hi] = _unblocked(v * s[lo:hi, :, None], width)
         run_rows(rows, c.shape[0], max(1, _SLAB_VALUES // max(1, width)))
         return out
