@@ -19,7 +19,8 @@ A step is forward + backward (+ the head's SparseMomentum update with
 `--update`, SparseAdamW with `--optimizer adamw`; with `--fused` the update happens inside the
 backward, float32 runs excepted when `--fused-fp32` is not given). `--param-dtype` stores the
 centres and the optimizer state in that dtype (float32, bfloat16, float16 or int8; each value
-measured in turn). Measured in the same run: the step time, the time of the head's
+measured in turn); `--state-dtype` stores the state in another (e.g. int4). Measured in the
+same run: the step time, the time of the head's
 three GEMMs alone on the same shapes (logits, embedding gradient, weight
 gradient, dense shapes; with sampling, on the sampled rows; each repeated back to
 back, medians added): `gemm_time_s` with fresh outputs, as any op allocates them,
@@ -112,6 +113,8 @@ def parse_args(argv=None):
                    choices=("float32", "bfloat16", "float16", "int8"),
                    help="storage of the class centres and their optimizer state, each measured in "
                         "turn (default float32)")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16", "float16", "int8", "int4"),
+                   help="storage of the optimizer state (default: the centres')")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                    help="the head's optimizer with --update, --fused and --capacity: "
                         "SparseMomentum (default) or SparseAdamW")
@@ -144,8 +147,8 @@ def _fused(args, dtype):
 
 def _optimizer(args):
     if args.optimizer == "adamw":
-        return SparseAdamW(0.001, weight_decay=0.05)
-    return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4)
+        return SparseAdamW(0.001, weight_decay=0.05, state_dtype=args.state_dtype)
+    return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4, state_dtype=args.state_dtype)
 
 
 def local_batch(args, rank):

@@ -15,7 +15,8 @@ nothing.
 
 The heads: dense (sample_ratio 1, chunk_size 0), Partial FC 0.1 and chunked (blocks of
 `--chunk` classes; PartialFC's default `check_inputs=True`, or `--check-inputs labels` as the
-trainer runs it), float32 / bfloat16 / int8 storage, SGD (SparseMomentum) and AdamW
+trainer runs it), float32 / bfloat16 / int8 storage (`int8+int4`: int8 centres, 4-bit
+state), SGD (SparseMomentum) and AdamW
 (SparseAdamW, stochastic rounding), at `--classes` classes (one rank), d = 512, batch 128, on
 the CPU kernel set and the device set (`PLSC_KERNELS=device`: Paddle ops only, what a GPU
 runs). One warm-up step first (creates the optimizer state). Prints JSON.
@@ -85,8 +86,8 @@ HEADS = {"dense": dict(sample_ratio=1.0, chunk_size=0),
          "chunked": dict(sample_ratio=1.0, chunk_size=None)}
 
 
-def optimizer(name, dtype):
-    state = None if dtype == "float32" else dtype
+def optimizer(name, dtype, state=None):
+    state = state or (None if dtype == "float32" else dtype)
     if name == "adamw":
         return SparseAdamW(0.001, weight_decay=0.05, state_dtype=state, rounding="stochastic")
     return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4, state_dtype=state,
@@ -99,9 +100,10 @@ def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=163
     kw = dict(HEADS[head_kind])
     if kw["chunk_size"] is None:
         kw["chunk_size"] = chunk
+    dtype, _, state = dtype.partition("+")  # "int8+int4": int8 centres, 4-bit state
     head = PartialFC(d, classes, ArcFace(), param_dtype=dtype, seed=seed,
                      check_inputs=check_inputs, **kw)
-    opt = optimizer(opt_name, dtype)
+    opt = optimizer(opt_name, dtype, state or None)
     rng = np.random.RandomState(seed)
     x = paddle.to_tensor(rng.normal(size=(batch, d)).astype("float32"))
     x.stop_gradient = False
@@ -150,7 +152,9 @@ def main(argv=None):
     parser.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"],
-                        choices=["float32", "bfloat16", "float16", "int8"])
+                        choices=["float32", "bfloat16", "float16", "int8", "int8+int4"],
+                        help="storage of the centres and their state; int8+int4: int8 centres "
+                             "with 4-bit state")
     parser.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"],
                         choices=["sgd", "adamw"])
     parser.add_argument("--kernel-sets", nargs="+", default=["cpu", "device"],

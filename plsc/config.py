@@ -14,7 +14,7 @@ import re
 
 import yaml
 
-from .dtypes import FLOAT_DTYPES, HEAD_DTYPES
+from .dtypes import FLOAT_DTYPES, HEAD_DTYPES, STATE_DTYPES
 from .loss.table import (DEFAULT_MARGIN, MARGIN_KEYS, cosine_options, either, margin_names,
                          margin_row)
 
@@ -237,8 +237,9 @@ SCHEMA = {
         "grad_clip": _k(NUM, None, "global-norm clip of the backbone gradients", nullable=True),
         "accumulate_steps": _k(int, 1, "micro-batches per optimizer step", low=1),
         "head_state_dtype": _k(str, None, "storage of the head's optimizer state; null: that of "
-                               "the class centres (Loss.param_dtype)", nullable=True,
-                               choices=HEAD_DTYPES),
+                               "the class centres (Loss.param_dtype); int4: 4 bits a value, "
+                               "momentum and moments only", nullable=True,
+                               choices=STATE_DTYPES),
         "head_write_rounding": _k(str, "stochastic", "how 16- and 8-bit head arrays are written: "
                                   "stochastic (unbiased) or nearest",
                                   choices=("stochastic", "nearest")),

@@ -128,8 +128,8 @@ class Entry:
 
     def set_param_dtype(self, dtype, state_dtype=None, rounding=None):
         """Storage of the class centres (and, `state_dtype`, of their optimizer state; None:
-        the centres' dtype): "float32", "bfloat16", "float16" or "int8". `rounding` of 16- and
-        8-bit writes: "stochastic" (default) or "nearest"."""
+        the centres' dtype): "float32", "bfloat16", "float16" or "int8" (the state also "int4").
+        `rounding` of 16-, 8- and 4-bit writes: "stochastic" (default) or "nearest"."""
         rounding = () if rounding is None else (
             ("Optimizer", "head_write_rounding", rounding, "rounding"),)
         return self._set_all(("Loss", "param_dtype", dtype, "dtype"),

@@ -278,7 +278,7 @@ class Int8Rows:
         """Store float32 `values` in rows `where` (a slice start, or an int64 index `[k]`),
         each row with its new scale; rounded to nearest, or stochastically with `noise`.
         `keep`: a 0-d bool tensor; where true the rows keep their codes and scales."""
-        codes, scale = quantize(values, self.map.name, noise)
+        codes, scale = self._encode(values, noise)
         if keep is not None:
             old_codes, old_scale = self._stored(where, codes.shape[0])
             codes = paddle.where(keep, old_codes.astype("int32"), codes.astype("int32")) \
@@ -289,11 +289,18 @@ class Int8Rows:
             self.scale[where:where + codes.shape[0]] = scale
         else:
             _put(self.codes, where, codes)
-            if self.scale.ndim == 1:
-                self.scale.scatter_(where, scale, overwrite=True)
-            else:
-                self.scale.index_put_((where,), scale)
+            self._put_scale(where, scale)
 
+    def _encode(self, values, noise):
+        """(codes, scales) of float32 `values` (rounded with `noise`, or to nearest)."""
+        return quantize(values, self.map.name, noise)
+
+    def _put_scale(self, where, scale):
+        """scale[where] = `scale`, rows at an int64 index."""
+        if self.scale.ndim == 1:
+            self.scale.scatter_(where, scale, overwrite=True)
+        else:
+            self.scale.index_put_((where,), scale)
 
     def _stored(self, where, count):
         """The codes and scales rows `where` hold now."""

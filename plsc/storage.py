@@ -1,7 +1,8 @@
 """The head's row arrays behind one interface, whatever they are stored as.
 
 A head array (class centres, their bias, optimizer state) is a Paddle tensor of float32,
-bfloat16 or float16, or an 8-bit `plsc.quantized.Int8Rows` (codes and a scale per row). All
+bfloat16 or float16, an 8-bit `plsc.quantized.Int8Rows` (codes and a scale per row), or (optimizer
+state) its 4-bit form `plsc.quantized4.Int4Rows` (two codes a byte, a scale per block). All
 arithmetic is float32: callers read rows as float32 (`read`, `take`), compute, and write float32
 rows back (`put`), which rounds them into the storage (to nearest; stochastically when the
 caller gives random bits, see `put`). No caller asks which storage it holds.
@@ -19,18 +20,20 @@ Which kernels serve a tensor (numpy on the CPU, Paddle ops elsewhere) is
 """
 import paddle
 
-from .dtypes import HEAD_DTYPES, STORED_DTYPES
+from .dtypes import HEAD_DTYPES, STATE_DTYPES, STORED_DTYPES
 from .cpu_kernels import all_finite, cpu_set, take_rows
 from .numerics import DEVICE_SLAB_BYTES, SLAB_BYTES, cast_nearest, to_float32
 from .quantized import Int8Rows
+from .quantized4 import Int4Rows
 
-__all__ = ["HEAD_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "name",
+__all__ = ["HEAD_DTYPES", "STATE_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "name",
            "is_float32", "has_autograd", "zeros", "read", "take", "put", "nbytes",
            "slab_rows", "kept", "value_parts", "as_array", "row_ids", "gather_rows", "all_rows_finite"]
 
 
 def name(t):
-    """'float32', 'bfloat16', 'float16', 'int8', 'int8_log' or 'uint8_log' of a head array."""
+    """'float32', 'bfloat16', 'float16', or the 8- or 4-bit map ('int8', 'int8_log',
+    'uint8_log', 'int4_log', 'uint4_log') of a head array."""
     if isinstance(t, Int8Rows):
         return t.map.name
     return str(t.dtype).replace("paddle.", "")
@@ -46,15 +49,18 @@ def has_autograd(t):
     return not isinstance(t, Int8Rows)
 
 
-def zeros(shape, dtype, int8_map="int8"):
-    """A zero head array of `shape` stored as `dtype` (one of `HEAD_DTYPES`; "int8" with the
-    map `int8_map`, and only for rows of two or more axes: one value per row stays float32)."""
-    if dtype not in HEAD_DTYPES:
-        raise ValueError(f"storage dtype must be one of {', '.join(HEAD_DTYPES)}, got {dtype!r}")
-    if dtype == "int8":
+def zeros(shape, dtype, map_name=None):
+    """A zero head array of `shape` stored as `dtype` (one of `STATE_DTYPES`; "int8" and "int4"
+    with the map `map_name`, default "int8" and "int4_log", and only for rows of two or more
+    axes: one value per row stays float32)."""
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"storage dtype must be one of {', '.join(STATE_DTYPES)}, got {dtype!r}")
+    if dtype in ("int8", "int4"):
         if len(shape) < 2:
             return paddle.zeros(shape, dtype="float32")
-        return Int8Rows.zeros(list(shape), int8_map)
+        if dtype == "int4":
+            return Int4Rows.zeros(list(shape), map_name or "int4_log")
+        return Int8Rows.zeros(list(shape), map_name or "int8")
     return paddle.zeros(shape, dtype=dtype)
 
 

@@ -26,6 +26,8 @@ CASES = {
     "pfc-adamw-bf16-fp16scaler": dict(Loss={"sample_ratio": 0.5, "param_dtype": "bfloat16"},
                                       Optimizer={"name": "adamw"}),
     "pfc-accumulate": dict(Loss={"sample_ratio": 0.5}, Optimizer={"accumulate_steps": 2}),
+    "pfc-adamw-int8-int4": dict(Loss={"sample_ratio": 0.5, "param_dtype": "int8"},
+                                Optimizer={"name": "adamw", "head_state_dtype": "int4"}),
     # int(0.1 · 24) = 2 centres, fewer than the global batch of 4: the positives are counted
     "pfc-below-batch": dict(Loss={"sample_ratio": 0.1}),
 }

@@ -5,7 +5,8 @@ set (Paddle ops, one slab, finiteness on the device, a sorted merge) must match 
 bit: every update is the same float32 elementwise operations on each row, and the random bits
 are the same function of (seed, stream, step, rank, row, column). Steps: sampled rows, all rows, two accumulated
 micro-batches with shared rows, a fused update with a non-finite slab; the weight and its
-state in one storage (the device set rounds their rows together) or in two."""
+state in one storage (the device set rounds their rows together) or in two (4-bit state
+too)."""
 import numpy as np
 import paddle
 import pytest
@@ -21,7 +22,7 @@ OPTS = {"momentum": (SparseMomentum, dict(learning_rate=0.1, momentum=0.9, weigh
 
 
 def _bits(t):
-    if isinstance(t, Int8Rows):
+    if isinstance(t, Int8Rows):  # 8 bits, or 4 (`Int4Rows`): bytes and scales
         return np.concatenate([t.codes.numpy().view(np.uint8).reshape(-1),
                                t.scale.numpy().view(np.uint8).reshape(-1)])
     return np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
@@ -68,7 +69,8 @@ def _run(kind, dtype, rounding):
 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8",
-                                   "bfloat16+float16", "bfloat16+int8"])
+                                   "bfloat16+float16", "bfloat16+int8", "int8+int4",
+                                   "bfloat16+int4"])
 @pytest.mark.parametrize("kind", list(OPTS))
 def test_device_set_gives_the_cpu_sets_bits(kind, dtype, rounding, monkeypatch):
     if dtype == "float32" and rounding == "nearest":

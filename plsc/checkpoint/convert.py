@@ -12,6 +12,7 @@ from ..distributed import ClassPartition
 from ..fileio import commit_folder, copy_file, temp_folder
 from ..numerics import STORAGE_DTYPES, cast_nearest
 from ..quantized import INT8_MAPS, quantize
+from ..quantized4 import INT4_MAPS
 from ..storage import STORED_DTYPES
 from .head_arrays import (NPY_DTYPES, head_dtype, load_head_rows, records_of, rows_as_float32,
                           slab_rows, stream_npy)
@@ -134,7 +135,7 @@ def export_classifier(src, path, name="weight"):
     values the head computes with), float16 and float32 as stored."""
     meta = read_meta(src)
     dtype = head_dtype(src, name, meta)
-    widen = dtype == "bfloat16" or dtype in INT8_MAPS
+    widen = dtype == "bfloat16" or dtype in INT8_MAPS or dtype in INT4_MAPS
     shape = (meta["num_classes"],) + \
         rows_as_float32(load_head_rows(src, name, 0, 1, meta), dtype).shape[1:]
     out = np.float32 if widen else NPY_DTYPES.get(dtype, dtype)

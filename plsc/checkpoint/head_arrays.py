@@ -3,11 +3,13 @@
     <checkpoint>/head_rank{r}/<name>.npy    rank r's rows of the weight, the bias and their
                                             optimizer state (partition in meta.json)
 
-meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16", or
-an 8-bit map of `plsc.quantized`: "int8", "int8_log", "uint8_log"); numpy has no bfloat16, so
-a bfloat16 array's .npy holds its bits as uint16, and an 8-bit array's .npy holds a record a
-row, `(scale float32, codes int8[d])` (uint8 codes for uint8_log; `[n]` records, `[n, K]`
-with sub-centres), so each row's scale travels with its codes. Checkpoints without
+meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16", an
+8-bit map of `plsc.quantized`: "int8", "int8_log", "uint8_log", or a 4-bit map of
+`plsc.quantized4`: "int4_log", "uint4_log"); numpy has no bfloat16, so a bfloat16 array's .npy
+holds its bits as uint16, and an 8-bit array's .npy holds a record a row, `(scale float32,
+codes int8[d])` (uint8 codes for uint8_log; `[n]` records, `[n, K]` with sub-centres), so each
+row's scale travels with its codes; a 4-bit row's record is `(scale float32[blocks],
+codes uint8[d/2])`, its scales and its bytes as the head holds them. Checkpoints without
 `head_dtypes` hold each array in its .npy's dtype.
 
 Everything here streams: a save writes a tensor a slab of rows at a time (`save_rows_npy`),
@@ -25,7 +27,8 @@ from ..distributed import ClassPartition
 from ..fileio import AtomicWriter, write_npy
 from .. import storage
 from ..numerics import SLAB_BYTES, cast_nearest
-from ..quantized import INT8_MAPS, dequantize, record_dtype
+from .. import quantized, quantized4
+from ..quantized import INT8_MAPS
 from .errors import CheckpointDamaged
 from .layout import head_file, read_meta
 from .manifest import npy_problem
@@ -39,6 +42,13 @@ _SLAB_BYTES = SLAB_BYTES  # bytes of rows a streamed save or load copies at a ti
 # How each head array dtype is stored in a .npy (numpy has no bfloat16: its bits, as uint16).
 NPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float16,
                "float64": np.float64, "int64": np.int64}
+
+
+def _quantized(name):
+    """The module (`plsc.quantized` or `plsc.quantized4`) of an 8- or 4-bit map, else None."""
+    if name in INT8_MAPS:
+        return quantized
+    return quantized4 if name in quantized4.INT4_MAPS else None
 
 
 def array_dtype(array):
@@ -93,8 +103,8 @@ def write_rows_npy(path, rows):
     if isinstance(rows, np.ndarray):
         return rows.dtype.name, write_npy(path, rows)
     name = array_dtype(rows)
-    if name in INT8_MAPS:  # records of (scale, codes)
-        return name, _write_8bit(path, rows)
+    if _quantized(name):  # records of (scale, codes)
+        return name, _write_records(path, rows)
     if name not in NPY_DTYPES:
         raise TypeError(f"cannot save {path}: head arrays of dtype {rows.dtype} are not supported "
                         f"(expected one of {', '.join(NPY_DTYPES)})")
@@ -111,10 +121,10 @@ def write_rows_npy(path, rows):
         for lo in range(0, shape[0], step)))
 
 
-def _write_8bit(path, rows):
-    """An `Int8Rows` as a .npy of records (scale, codes), a slab of rows at a time."""
+def _write_records(path, rows):
+    """8- or 4-bit rows as a .npy of records (scale, codes), a slab of rows at a time."""
     width = rows.shape[-1]
-    dtype = record_dtype(rows.map.name, width)
+    dtype = _quantized(rows.map.name).record_dtype(rows.map.name, width)
     shape = tuple(rows.shape[:-1])
     step = slab_rows(shape[1:], dtype.itemsize)
 
@@ -136,27 +146,28 @@ def bfloat16_to_float32(bits):
 def rows_as_float32(rows, stored):
     """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits; 8 bits:
     records) -> float32 values (exact for 16 bits; 8 bits: as the head reads them)."""
-    if stored in INT8_MAPS:
+    if _quantized(stored):
         return _records_f32(rows, stored).numpy()
     return bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)
 
 
 def _records_f32(rows, stored):
-    """8-bit records -> float32 Paddle tensor (`plsc.quantized.dequantize`, as the head reads)."""
-    return dequantize(paddle.to_tensor(np.ascontiguousarray(rows["codes"])),
+    """8- or 4-bit records -> float32 Paddle tensor (their map's `dequantize`, as the head
+    reads)."""
+    return _quantized(stored).dequantize(paddle.to_tensor(np.ascontiguousarray(rows["codes"])),
                       paddle.to_tensor(np.ascontiguousarray(rows["scale"])), stored)
 
 
 def records_of(codes, scale, name):
     """Host 8-bit records of map `name` from numpy codes `[n, ..., d]` and scales `[n, ...]`."""
-    out = np.empty(scale.shape, record_dtype(name, codes.shape[-1]))
+    out = np.empty(scale.shape, quantized.record_dtype(name, codes.shape[-1]))
     out["codes"], out["scale"] = codes, scale
     return out
 
 
 def _values_f32(rows, stored):
     """Host rows stored as head dtype `stored` -> their float32 values, a Paddle tensor."""
-    if stored in INT8_MAPS:
+    if _quantized(stored):
         return _records_f32(rows, stored)
     return paddle.to_tensor(rows_as_float32(rows, stored))
 
@@ -174,7 +185,7 @@ def _write_into(target, offset, rows, stored):
     n = rows.shape[0]
     if stored != storage.name(target):  # its float32 values, rounded to nearest
         storage.put(target, offset, _values_f32(rows, stored))
-    elif stored in INT8_MAPS:  # the stored codes and scales, as they are
+    elif _quantized(stored):  # the stored codes and scales, as they are
         target.codes[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["codes"]))
         target.scale[offset:offset + n] = paddle.to_tensor(np.ascontiguousarray(rows["scale"]))
     else:  # the stored bits, as they are
@@ -211,13 +222,14 @@ def _head_file(path, rank, name):
 def _expected(dtype, row_shape, found):
     """(numpy dtype, row shape or None) a .npy of head dtype `dtype` holds for values of
     `row_shape` (8 bits: records of the row's codes; their width from `found` when unknown)."""
-    if dtype not in INT8_MAPS:
+    module = _quantized(dtype)
+    if module is None:
         return np.dtype(NPY_DTYPES.get(dtype, dtype)), row_shape
     if row_shape is None:
         codes = found.fields.get("codes") if found.names else None
         width = codes[0].shape[0] if codes and codes[0].shape else 0
-        return record_dtype(dtype, width), None
-    return record_dtype(dtype, row_shape[-1]), tuple(row_shape[:-1])
+        return module.record_dtype(dtype, width * (2 if module is quantized4 else 1)), None
+    return module.record_dtype(dtype, row_shape[-1]), tuple(row_shape[:-1])
 
 
 def _open_rows(file, dtype, count, row_shape=None):
@@ -270,13 +282,14 @@ def load_head_rows(path, name, class_start, num_local, meta=None):
 
 
 def load_head_rows_into(path, name, class_start, tensor, meta=None):
-    """Fill `tensor` (Paddle, `[n, ...]`, float32/bfloat16/float16, or an `Int8Rows`) in place
+    """Fill `tensor` (Paddle, `[n, ...]`, float32/bfloat16/float16, or 8- or 4-bit rows) in place
     with rows [class_start, class_start + n) of head array `name`, from a checkpoint of any
     world size, a slab at a time (memory-mapped reads; no second copy of the array).
 
     A stored bfloat16 or float16 becomes float32 exactly; float32 becomes 16 bits rounded to
     nearest even; 8-bit rows of the tensor's map are copied as stored, any other stored dtype
-    is quantised to nearest; 8-bit rows go into a float tensor as their float32 values."""
+    is quantised to nearest (8- or 4-bit rows of another map, too: their float32 values);
+    8- and 4-bit rows go into a float tensor as their float32 values."""
     meta = read_meta(path) if meta is None else meta
     stored, dtype = head_dtype(path, name, meta), array_dtype(tensor)
     known = storage.STORED_DTYPES

@@ -17,8 +17,9 @@ their storage (`plsc.optim.rounding`; stochastically by default, with random bit
 that depend on the optimizer's own step count, the head's rank and the row, so a
 resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
 8-bit state uses the map `int8_maps` names for it (AdamW's moments are
-logarithmic, see `plsc.quantized`); state with one value per row (the bias's, AdamW's
-step counts) stays float32. Gradients may come in any float dtype and are upcast.
+logarithmic, see `plsc.quantized`), 4-bit state (`state_dtype="int4"`, two codes a byte and a
+scale per block, `plsc.quantized4`) the map `int4_maps` names; state with one value per row
+(the bias's, AdamW's step counts) stays float32. Gradients may come in any float dtype and are upcast.
 Float32 storage is neither rounded nor changed in any bit.
 
 Kernel sets (`plsc.cpu_kernels.cpu_set`): the CPU set updates chunks of 1,024 rows and reads
@@ -48,8 +49,8 @@ class SparseRowOptimizer:
     """Base: walks the head's (parameter, rows, gradient rows) and updates them in chunks.
 
     Args (of every subclass, after its own):
-        state_dtype: dtype of the state arrays ("float32", "bfloat16", "float16" or "int8");
-            None (default): the parameter's.
+        state_dtype: dtype of the state arrays ("float32", "bfloat16", "float16", "int8" or
+            "int4"); None (default): the parameter's.
         rounding: how float32 results are written into 16- and 8-bit arrays: "stochastic"
             (default, unbiased) or "nearest" (to nearest even).
         seed: seed of the stochastic rounding's random bits, which depend on
@@ -58,12 +59,13 @@ class SparseRowOptimizer:
 
     state_names = ()
     int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
+    int4_maps = {}  # the 4-bit map of each state array (`plsc.quantized4.INT4_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
         cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose
-        if state_dtype is not None and state_dtype not in storage.HEAD_DTYPES:
+        if state_dtype is not None and state_dtype not in storage.STATE_DTYPES:
             raise ValueError(f"state_dtype must be None (the parameter's), float32, bfloat16, "
-                             f"float16 or int8, got {state_dtype!r}")
+                             f"float16, int8 or int4, got {state_dtype!r}")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
         self.learning_rate = learning_rate
@@ -221,8 +223,11 @@ class SparseRowOptimizer:
         return self._state[name]
 
     def _zeros(self, key, shape, dtype):
-        """A zero state array `key` of `shape` stored as `dtype` (8 bits: rows of two or more
-        axes only, with the map `int8_maps` names; one value per row stays float32)."""
+        """A zero state array `key` of `shape` stored as `dtype` (8 and 4 bits: rows of two or
+        more axes only, with the map `int8_maps` or `int4_maps` names; one value per row stays
+        float32)."""
+        if dtype.startswith(("int4", "uint4")):
+            return storage.zeros(shape, "int4", self.int4_maps.get(key))
         return storage.zeros(shape, "int8" if dtype.startswith(("int8", "uint8")) else dtype,
                              self.int8_maps.get(key, "int8"))
 
@@ -258,6 +263,7 @@ class SparseMomentum(SparseRowOptimizer):
 
     state_names = ("velocity",)
     int8_maps = {"velocity": "int8"}
+    int4_maps = {"velocity": "int4_log"}
 
     def __init__(self, learning_rate, momentum=0.9, weight_decay=0.0, use_nesterov=False,
                  state_dtype=None, rounding="stochastic", seed=0):
@@ -283,6 +289,7 @@ class SparseAdamW(SparseRowOptimizer):
 
     state_names = ("moment1", "moment2")
     int8_maps = {"moment1": "int8_log", "moment2": "uint8_log"}
+    int4_maps = {"moment1": "int4_log", "moment2": "uint4_log"}
 
     def __init__(self, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=0.01,
                  state_dtype=None, rounding="stochastic", seed=0):

@@ -408,7 +408,7 @@ def test_weight_state_and_bias_draw_independent_bits(dtype):
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="state_dtype must be .* or int8, got 'int4'"):
-        SparseMomentum(0.1, state_dtype="int4")
+    with pytest.raises(ValueError, match="state_dtype must be .* int8 or int4, got 'int2'"):
+        SparseMomentum(0.1, state_dtype="int2")
     with pytest.raises(ValueError):
         SparseAdamW(0.1, rounding="up")

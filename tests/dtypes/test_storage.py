@@ -104,8 +104,13 @@ def test_zeros_and_the_dtype_names():
     assert isinstance(z, Int8Rows) and storage.name(z) == "uint8_log"
     assert storage.name(storage.zeros([3], "int8")) == "float32"  # a value a row
     assert storage.name(storage.zeros([3, 4], "bfloat16")) == "bfloat16"
-    with pytest.raises(ValueError, match="int4"):
-        storage.zeros([3, 4], "int4")
+    assert storage.STATE_DTYPES == storage.HEAD_DTYPES + ("int4",)
+    z4 = storage.zeros([3, 4], "int4", "uint4_log")
+    assert type(z4).__name__ == "Int4Rows" and storage.name(z4) == "uint4_log"
+    assert storage.name(storage.zeros([3, 4], "int4")) == "int4_log"
+    assert storage.name(storage.zeros([3], "int4")) == "float32"  # a value a row
+    with pytest.raises(ValueError, match="int2"):
+        storage.zeros([3, 4], "int2")
     assert storage.all_rows_finite([z, paddle.ones([2, 2], "float16")])
     bad = paddle.ones([2, 2], "bfloat16")
     bad[1, 1] = float("inf")

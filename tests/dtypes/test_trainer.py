@@ -31,25 +31,30 @@ def bf16_ulp(bits16):
 
 # ------------------------------------------------------------------ 1. resume, seeds
 
-@pytest.mark.parametrize("dtype,ratio,opt,k", [
-    ("bfloat16", 1.0, "sgd", 1), ("bfloat16", 0.5, "sgd", 1), ("int8", 1.0, "sgd", 1),
-    ("int8", 0.5, "sgd", 3), ("int8", 0.5, "adamw", 1)])
-def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, opt, k):
-    """bfloat16 or int8 centres and optimizer state written with stochastic rounding: resuming
-    at step 3 gives the uninterrupted run's losses, weights, every optimizer state array
-    (8 bits: codes and scales) and step count bit for bit (the rounding bits depend on the
-    restored step count); `k` sub-centres a class."""
+@pytest.mark.parametrize("dtype,ratio,opt,k,state_dtype", [
+    ("bfloat16", 1.0, "sgd", 1, None), ("bfloat16", 0.5, "sgd", 1, None),
+    ("int8", 1.0, "sgd", 1, None), ("int8", 0.5, "sgd", 3, None), ("int8", 0.5, "adamw", 1, None),
+    ("int8", 0.5, "sgd", 3, "int4"), ("int8", 1.0, "adamw", 1, "int4")])
+def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, opt, k,
+                                            state_dtype):
+    """bfloat16 or int8 centres and optimizer state (or 4-bit state) written with stochastic
+    rounding: resuming at step 3 gives the uninterrupted run's losses, weights, every optimizer
+    state array (8 and 4 bits: codes and scales) and step count bit for bit (the rounding bits
+    depend on the restored step count); `k` sub-centres a class."""
     from plsc.storage import name as storage_name
     sections = dict(Loss={"sample_ratio": ratio, "param_dtype": dtype, "sub_centers": k},
-                    Optimizer={"name": opt, **({"lr": 0.01} if opt == "adamw" else {})})
+                    Optimizer={"name": opt, "head_state_dtype": state_dtype,
+                               **({"lr": 0.01} if opt == "adamw" else {})})
     full = Trainer(config(data_root, str(tmp_path / "a"), **sections), backbone=make_backbone(0))
-    assert full.head_opt.rounding == "stochastic" and full.head_opt.state_dtype is None
+    assert full.head_opt.rounding == "stochastic" and full.head_opt.state_dtype == state_dtype
     history = full.train()
     assert [s for s, _ in history] == [1, 2, 3, 4, 5, 6]
     state = full.head_opt.state_dict()
     first = "weight.velocity" if opt == "sgd" else "weight.moment2"
     assert storage_name(full.head.weight) == dtype
-    assert storage_name(state[first]) == (dtype if opt == "sgd" else "uint8_log")
+    want_map = {(None, "sgd"): dtype, (None, "adamw"): "uint8_log",
+                ("int4", "sgd"): "int4_log", ("int4", "adamw"): "uint4_log"}
+    assert storage_name(state[first]) == want_map[state_dtype, opt]
     assert int(state["step_count"]) == 6
     ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
     # Another initial backbone: everything must come from the checkpoint.
@@ -194,6 +199,22 @@ def test_param_dtype_int4_in_a_yaml_names_the_key_and_the_choices(tmp_path):
     path.write_text(yaml.safe_dump({"Loss": {"num_classes": 10, "param_dtype": "bfloat16"},
                                     "Data": {"root": "/data"}}))
     assert load_config(str(path))["Loss"]["param_dtype"] == "bfloat16"
+
+
+def test_head_state_dtype_int4_is_a_state_choice(tmp_path):
+    path = tmp_path / "c.yaml"
+    raw = {"Loss": {"num_classes": 10}, "Data": {"root": "/data"},
+           "Optimizer": {"head_state_dtype": "int4"}}
+    path.write_text(yaml.safe_dump(raw))
+    assert load_config(str(path))["Optimizer"]["head_state_dtype"] == "int4"
+    raw["Optimizer"]["head_state_dtype"] = "int2"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"Optimizer\.head_state_dtype must be one of float32, "
+                                          r"bfloat16, float16, int8, int4 or null, got 'int2'"):
+        load_config(str(path))
+    cfg = Entry().set_class_num(10).set_dataset_dir("/data").set_param_dtype(
+        "int8", state_dtype="int4").get_config()
+    assert cfg["Optimizer"]["head_state_dtype"] == "int4"
 
 
 def test_entry_set_param_dtype():
