@@ -46,6 +46,9 @@ def rank_main(rank, port, args):
     from lr_scheduler import PolynomialLRWarmup
     network, margin_list, opt_name, lr, wd, num_classes = rpt.CASES[args.case]
     torch.set_default_dtype(DTYPE)
+    float_method = torch.Tensor.float  # the ViT's .float() keeps float64 (as `rpt.train` does)
+    torch.Tensor.float = lambda self, *a, **k: (self if self.dtype == torch.float64
+                                                 else float_method(self, *a, **k))
     init_b, init_h, images, labels = _load(args.work)
     backbone = rpt.build_backbone(network)
     backbone.load_state_dict(init_b)
