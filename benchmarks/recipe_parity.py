@@ -27,6 +27,15 @@ to the recipe:
   used, and set into plsc's schedule, so the comparison does not depend on plsc's own schedule
   options.
 
+With `--ranks 2` both sides run arcface_torch's recipe on 2 ranks: plsc's Trainer on 2 ranks
+launched for real (`python -m paddle.distributed.launch --nproc_per_node 2` on this file's
+`--worker` entry), rank r training on samples [r·B/2, (r+1)·B/2) of every batch of B (the
+head class-sharded, each rank's shard set from `PartialFC_V2`'s centres; every rank writes its
+final shard with its first class, rank 0 its losses and backbone); the torch side emulates
+`train_v2.py` on 2 ranks (DDP with per-rank BatchNorm) in one process, exactly:
+`recipe_parity_torch.py`'s `two_rank_embeddings` says why, `recipe_parity_ddp_check.py` checks
+it against 2 real gloo ranks.
+
 It prints one JSON line per case: per-step |loss_plsc - loss_t64| and |loss_t32 - loss_t64|
 (max, rms, final, and every step), the final weights' relative L2 distances to the float64 run
 (backbone: every float of its state_dict, BatchNorm statistics included; head: the centres),
@@ -92,6 +101,8 @@ def run_torch(args, case, out):
     cmd = [args.torch_python, TORCH_SIDE, "--arcface-torch", args.arcface_torch, "--case", case,
            "--steps", str(args.steps), "--batch", str(args.batch), "--warmup", str(args.warmup),
            "--total", str(args.total), "--seed", str(args.seed), "--out", out]
+    if args.ranks != 1:
+        cmd += ["--ranks", str(args.ranks)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -106,6 +117,7 @@ def plsc_config(args, spec, work):
     from plsc.config import apply_overrides, validate
     root = os.path.join(work, "data")
     n = args.batch  # the Trainer needs a training set; the steps below feed the saved batches
+    ranks = getattr(args, "ranks", 1)
     raw = {
         "Global": {"seed": args.seed, "output_dir": os.path.join(work, "plsc_out"),
                    "device": "cpu", "max_steps": args.steps, "log_interval": 10 ** 6,
@@ -115,7 +127,7 @@ def plsc_config(args, spec, work):
                   "bn_unbiased_var": True, **spec["model"]},
         "Loss": {"num_classes": spec["num_classes"], "sample_ratio": 1.0, **spec["loss"]},
         "Data": {"dataset": "synthetic", "root": root, "image_size": [112, 112],
-                 "batch_size": args.batch, "num_workers": 0, "random_flip": False,
+                 "batch_size": args.batch // ranks, "num_workers": 0, "random_flip": False,
                  "synthetic": {"num_identities": 2, "images_per_identity": n,
                                "num_val_identities": 2, "num_pairs": 2}},
         "Optimizer": {"name": spec["optimizer"], "lr": spec["lr"], "momentum": 0.9,
@@ -131,7 +143,81 @@ def plsc_config(args, spec, work):
 
 def run_plsc(args, spec, work, lrs):
     """plsc's Trainer on the saved batches: (losses, {arcface_torch key: final array},
-    final head weight, the config's recipe-relevant values)."""
+    final head weight, the config's recipe-relevant values). With --ranks 2: on 2 ranks
+    launched by `paddle.distributed.launch` (`worker`), read back from the files they write."""
+    if args.ranks == 1:
+        losses, final, head, options, _ = train_plsc(args, spec, work, lrs)
+        return losses, final, head, options
+    return run_plsc_ranks(args, work, lrs)
+
+
+def run_plsc_ranks(args, work, lrs):
+    """`worker` on `args.ranks` ranks (`python -m paddle.distributed.launch --nproc_per_node
+    N recipe_parity.py --worker SPEC`); rank 0's losses, options and backbone, and the head's
+    rows from every rank's shard (each rank writes its own, with its first class: exact)."""
+    out = os.path.join(work, "plsc_ranks")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    spec_file = os.path.join(out, "worker.json")
+    with open(spec_file, "w") as f:
+        json.dump({"args": {k: getattr(args, k) for k in (
+            "steps", "batch", "seed", "threads", "overrides", "ranks")},
+            "case": args.current_case, "work": work, "lrs": lrs, "out": out}, f)
+    log_dir = os.path.join(out, "logs")
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node",
+           str(args.ranks), "--log_dir", log_dir, os.path.abspath(__file__), "--worker", spec_file]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE),
+                                                     env.get("PYTHONPATH")) if p)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0 or not os.path.isfile(os.path.join(out, "rank0.json")):
+        logs = ""
+        for r in range(args.ranks):
+            path = os.path.join(log_dir, f"workerlog.{r}")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    logs += f"--- rank {r}\n{f.read()[-3000:]}"
+        raise RuntimeError(f"the plsc ranks failed ({res.returncode}):\n{res.stderr[-2000:]}"
+                           f"\n{logs}")
+    with open(os.path.join(out, "rank0.json")) as f:
+        r0 = json.load(f)
+    final = dict(np.load(os.path.join(out, "backbone_rank0.npz")))
+    shards = []
+    for r in range(args.ranks):
+        z = np.load(os.path.join(out, f"head_rank{r}.npz"))
+        shards.append((int(z["class_start"]), z["weight"]))
+    shards.sort(key=lambda t: t[0])
+    starts = [s for s, _ in shards]
+    sizes = [w.shape[0] for _, w in shards]
+    if starts != [sum(sizes[:i]) for i in range(len(sizes))]:
+        raise RuntimeError(f"the head's shards do not tile the classes: starts {starts}, "
+                           f"sizes {sizes}")
+    head = np.concatenate([w for _, w in shards])
+    return r0["losses"], final, head, r0["options"]
+
+
+def worker(spec_file):
+    """One rank of --ranks N: the Trainer on this rank's part of every batch (rank r: samples
+    [r·B/N, (r+1)·B/N)); writes this rank's head shard, and on rank 0 the losses (the head's
+    loss is the global batch's mean, the same on every rank), options and final backbone."""
+    with open(spec_file) as f:
+        spec_all = json.load(f)
+    args = argparse.Namespace(**spec_all["args"])
+    out = spec_all["out"]
+    losses, final, head, options, (rank, class_start) = train_plsc(
+        args, CASES[spec_all["case"]], spec_all["work"], spec_all["lrs"])
+    np.savez(os.path.join(out, f"head_rank{rank}.npz"), weight=head, class_start=class_start)
+    if rank == 0:
+        np.savez(os.path.join(out, "backbone_rank0.npz"), **final)
+        options["ranks"] = args.ranks
+        with open(os.path.join(out, "rank0.json"), "w") as f:
+            json.dump({"losses": losses, "options": options}, f)
+    return 0
+
+
+def train_plsc(args, spec, work, lrs):
+    """The Trainer of this process (one of `args.ranks`) on its part of the saved batches:
+    (losses, final backbone, this rank's head rows, options, (rank, first class))."""
     import plsc  # noqa: F401  -- before paddle: plsc's CPU set-up precedes any matrix product
     import paddle
     from plsc.models import plsc_to_insightface
@@ -142,8 +228,16 @@ def run_plsc(args, spec, work, lrs):
     try:
         trainer.lr.lr_fn = lambda step: lrs[min(step, len(lrs) - 1)]
         trainer.lr.last_lr = float(lrs[0])
-        with paddle.no_grad():
-            trainer.head.weight.set_value(np.load(os.path.join(work, "init_head.npy")))
+        head = trainer.head
+        if head.sub_centers != 1:
+            raise RuntimeError("recipe_parity: one centre per class")
+        with paddle.no_grad():  # this rank's rows of PartialFC_V2's centres
+            head.weight.set_value(np.ascontiguousarray(np.load(os.path.join(
+                work, "init_head.npy"))[head.class_start:head.class_start + head.num_local]))
+        ranks, rank = getattr(args, "ranks", 1), trainer.rank
+        if trainer.world != ranks:
+            raise RuntimeError(f"{trainer.world} ranks, expected {ranks}")
+        part = slice(rank * args.batch // ranks, (rank + 1) * args.batch // ranks)
         trainer.backbone.train()
         trainer.head.train()
         images = np.load(os.path.join(work, "images.npy"), mmap_mode="r")
@@ -151,13 +245,13 @@ def run_plsc(args, spec, work, lrs):
         losses, used = [], []
         for step in range(args.steps):
             used.append(trainer.lr.last_lr)
-            img = paddle.to_tensor(np.ascontiguousarray(images[step]))
-            lab = paddle.to_tensor(labels[step])
+            img = paddle.to_tensor(np.ascontiguousarray(images[step][part]))
+            lab = paddle.to_tensor(np.ascontiguousarray(labels[step][part]))
             losses.append(float(trainer.train_step([(img, lab)])))
         final = plsc_to_insightface(trainer.backbone)
-        head = trainer.head.weight.numpy()
+        head_rows = trainer.head.weight.numpy()
         o, loss, m = cfg["Optimizer"], cfg["Loss"], cfg["Model"]
-        options = {"margin": repr(trainer.head.margin),  # the margin built, with its values
+        options = {"margin": repr(head.margin),  # the margin built, with its values
                    "sample_ratio": loss["sample_ratio"], "optimizer": o["name"],
                    "momentum": o["momentum"] if o["name"] == "sgd" else None,
                    "betas": o["betas"] if o["name"] == "adamw" else None,
@@ -170,7 +264,7 @@ def run_plsc(args, spec, work, lrs):
         for key in ("drop_path_rate", "mask_ratio"):
             if m.get(key) is not None:
                 options[key] = m[key]
-        return losses, final, head, options
+        return losses, final, head_rows, options, (rank, head.class_start)
     finally:
         trainer.close()
 
@@ -198,6 +292,7 @@ def _summary(diffs):
 
 def run_case(args, case):
     spec = CASES[case]
+    args.current_case = case
     if args.work:
         work = os.path.join(os.path.abspath(args.work), case)
         os.makedirs(work, exist_ok=True)
@@ -247,6 +342,7 @@ def run_case(args, case):
               "t32x": distances(head32x, head64, {"w": init_head})}
         report = {
             "benchmark": "recipe_parity", "case": case, "steps": args.steps, "batch": args.batch,
+            "ranks": args.ranks,
             "loss_abs_diff": {"plsc_vs_t64": s_plsc, "t32_vs_t64": s_t32,
                               "ratio": {k: _ratio(s_plsc[k], s_t32[k]) for k in s_plsc},
                               "t32x_vs_t64": s_t32x,
@@ -288,7 +384,10 @@ def run_case(args, case):
 
 
 def _torch_args(args):
-    return {k: getattr(args, k) for k in ("steps", "batch", "warmup", "total", "seed")}
+    kept = {k: getattr(args, k) for k in ("steps", "batch", "warmup", "total", "seed")}
+    if args.ranks != 1:  # (one-process runs kept before --ranks existed stay reusable)
+        kept["ranks"] = args.ranks
+    return kept
 
 
 def _reused_torch_run(args, work):
@@ -319,6 +418,10 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=20, help="PolynomialLRWarmup's total_iters")
     ap.add_argument("--seed", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of each side (0: theirs)")
+    ap.add_argument("--ranks", type=int, default=1, choices=(1, 2),
+                    help="2: plsc on 2 ranks (paddle.distributed.launch), each on half of every "
+                         "batch, against arcface_torch on 2 ranks (DDP) emulated in one process")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # one rank of --ranks N (internal)
     ap.add_argument("--work", help="keep the files in WORK/<case> (default: a temporary folder, "
                     "removed); the torch runs found there with the same arguments are reused")
     ap.add_argument("-o", dest="overrides", action="append", default=[],
@@ -326,6 +429,10 @@ def main(argv=None):
                     help="set plsc's config otherwise than the recipe (e.g. "
                          "Loss.straight_through=false) to measure what a difference costs")
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    if args.batch % args.ranks:
+        ap.error(f"--batch {args.batch} is not a multiple of --ranks {args.ranks}")
     if not args.torch_python or not args.arcface_torch:
         print(json.dumps({"benchmark": "recipe_parity", "status": "not run",
                           "reason": "needs --torch-python and --arcface-torch"}))

@@ -11,6 +11,10 @@ It does so twice from the same initial weights on the same batches: in float32 a
 t32x, is float32 with one change, the clip's global norm summed in float64 (`exact_clip`):
 torch's own float32 norm is the largest float32 error of the step, and t32x shows the rest.
 
+With `--ranks 2`, each run is `train_v2.py` on 2 ranks emulated in one process (each half of
+a batch through the backbone separately, rank 0's BatchNorm statistics kept; see
+`two_rank_embeddings`).
+
 Writes into --out: `init_backbone.pt` (torch.save of the initial state_dict, what plsc imports),
 `init_head.npy`, `images.npy` `[steps, B, 3, 112, 112]` float32, `labels.npy` `[steps, B]`,
 `final_{t32,t64,t32x}.npz` (the final backbone state_dict in arcface_torch's keys, `head.weight`),
@@ -95,8 +99,55 @@ def exact_clip(parameters, max_norm):
     return total
 
 
+def two_rank_embeddings(backbone, img):
+    """What arcface_torch's `train_v2.py` computes on 2 ranks (DDP, no SyncBatchNorm), in one
+    process: rank r's backbone forward on its half img[r·B/2 : (r+1)·B/2] in train mode (so
+    BatchNorm normalises with that half's statistics), the embeddings concatenated in rank order
+    (what `PartialFC_V2`'s `AllGather` + `torch.cat` gives every rank), and the BatchNorm running
+    statistics rank 0 ends with. The one backward of the world-1 `PartialFC_V2` on the whole
+    batch through this then gives DDP's gradients, from the checkout's lines:
+    - partial_fc_v2.py `PartialFC_V2.forward`: `_list_embeddings = AllGather(local_embeddings,
+      ...)`, `embeddings = torch.cat(_list_embeddings)`, labels all-gathered likewise; the loss
+      (`DistCrossEntropyFunc`, max/sum/loss all-reduced) is the mean over the gathered batch, the
+      same value on every rank; its backward divides the logits' gradient by that batch.
+    - partial_fc_v2.py `AllGatherFunc.backward`: each rank's slice of the gathered embeddings'
+      gradient is summed over the ranks (`distributed.reduce(..., ReduceOp.SUM)`: every rank
+      holds the gradient through its own class shard only, the sum is the whole gradient of the
+      loss), then `grad_out *= len(grad_list)` (× world size).
+    - train_v2.py: `DistributedDataParallel(module=backbone, broadcast_buffers=False, ...,
+      find_unused_parameters=True)`: DDP averages the backbone's gradients (÷ world size), which
+      undoes the × world size: each rank's backbone gradient is the whole batch's gradient of
+      the loss, what one backward through both halves here gives. The head (`PartialFC_V2`) is
+      not in DDP: each rank's centres get the whole gradient of the loss for its classes, as the
+      world-1 head here does for all classes. `clip_grad_norm_(backbone.parameters(), 5)` then
+      acts on the averaged gradients, as here.
+    - train_v2.py also registers `fp16_compress_hook` (the gradients all-reduced in float16):
+      not emulated here, and plsc's `Optimizer.grad_allreduce_dtype` is left at float32 (issue
+      46 item 5 is about that option; this comparison is of the float32 arithmetic).
+    - BatchNorm running statistics: `broadcast_buffers=False` in this checkout (not DDP's
+      default True), so each rank's running statistics follow its own halves only, and rank 0
+      saves the checkpoint (`if rank == 0: ... torch.save(backbone.module.state_dict(), ...)`).
+      With DDP's default (broadcast from rank 0 before each forward) rank 0's would be the same:
+      the broadcast overwrites the other ranks' buffers, never rank 0's, and in train mode the
+      forward uses batch statistics, not the buffers. So: after the first half's forward (rank
+      0's update) the buffers are set aside, the second half runs on copies of them (rank 1's),
+      and rank 0's are put back. Swapped as objects, not copied in place: the first forward's
+      graph holds the buffers, and an in-place change would fail its backward's version check.
+    """
+    half = img.shape[0] // 2
+    first = backbone(img[:half])
+    rank0 = [(m, k, b) for m in backbone.modules() for k, b in m._buffers.items()
+             if b is not None]
+    for m, k, b in rank0:
+        m._buffers[k] = b.detach().clone()
+    second = backbone(img[half:])
+    for m, k, b in rank0:
+        m._buffers[k] = b
+    return torch.cat([first, second])
+
+
 def train(case, init_backbone, init_head, images, labels, steps, dtype, warmup, total,
-          exact_norm=False):
+          exact_norm=False, ranks=1):
     from lr_scheduler import PolynomialLRWarmup
     network, margin_list, opt_name, lr, wd, num_classes = CASES[case]
     torch.set_default_dtype(dtype)
@@ -123,7 +174,8 @@ def train(case, init_backbone, init_head, images, labels, steps, dtype, warmup, 
             lrs.append(opt.param_groups[0]["lr"])
             img = torch.from_numpy(images[step]).to(dtype)
             lab = torch.from_numpy(labels[step]).long()
-            loss = head(backbone(img), lab)
+            emb = backbone(img) if ranks == 1 else two_rank_embeddings(backbone, img)
+            loss = head(emb, lab)
             loss.backward()
             if exact_norm:
                 norms.append(exact_clip(backbone.parameters(), CLIP))
@@ -151,6 +203,8 @@ def main():
     ap.add_argument("--total", type=int, default=20)
     ap.add_argument("--seed", type=int, default=2048)  # arcface_torch's configs/base.py seed
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--ranks", type=int, default=1, choices=(1, 2),
+                    help="2: arcface_torch on 2 ranks (DDP, per-rank BatchNorm), emulated")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.arcface_torch))
@@ -176,12 +230,13 @@ def main():
     np.save(os.path.join(args.out, "labels.npy"), labels)
 
     report = {"torch": torch.__version__, "numpy": np.__version__,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "ranks": args.ranks}
     # t32x: float32 with the clip's norm summed in float64 (a stricter float32 yardstick)
     for tag, dtype, exact in (("t32", torch.float32, False), ("t64", torch.float64, False),
                               ("t32x", torch.float32, True)):
         losses, lrs, norms, final = train(args.case, init_backbone, init_head, images, labels,
-                                          args.steps, dtype, args.warmup, args.total, exact)
+                                          args.steps, dtype, args.warmup, args.total, exact,
+                                          args.ranks)
         np.savez(os.path.join(args.out, f"final_{tag}.npz"), **final)
         report[tag] = {"losses": losses, "lrs": lrs, "grad_norms": norms}
     with open(os.path.join(args.out, "torch.json"), "w") as f:

@@ -32,3 +32,11 @@ def test_rates_are_polynomial_lr_warmup(parity):
     assert got[t + 1:] == [got[t]] * 2  # e > total_iters: unchanged (0 here)
     squared = parity.polynomial_lr_warmup(base, w, t, 8, power=2.0)
     assert squared[7] == pytest.approx(base * (1 - 2 / 15) ** 2, rel=1e-12)
+
+
+def test_ranks_need_an_even_split(parity):
+    # --ranks 2: rank r trains on samples [r*B/2, (r+1)*B/2) of every batch of B
+    with pytest.raises(SystemExit) as e:
+        parity.main(["--ranks", "2", "--batch", "7", "--torch-python", "x",
+                     "--arcface-torch", "y"])
+    assert e.value.code == 2
