@@ -25,11 +25,8 @@ import sys
 import time
 
 import numpy as np
-import paddle
 
-from plsc.loss import CosFace
-from plsc.nn import PartialFC
-from plsc.optim import SparseAdamW, SparseMomentum
+from benchmark_int8_state import make_data, run  # the same head, data and training loop
 from plsc.storage import read as rows_f32
 
 BLOCKS = (32, 64, 128, 256, 512)
@@ -98,44 +95,6 @@ def errors(x, table, block):
             "zeroed": float(((q == 0) & (x != 0)).sum() / max(1, (x != 0).sum()))}
 
 
-def make_data(args):
-    rng = np.random.RandomState(args.seed)
-    centres = rng.normal(size=(args.classes, args.dim))
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    labels = rng.randint(0, args.classes, size=(args.steps, args.batch))
-    noise = rng.normal(scale=args.noise / np.sqrt(args.dim),
-                       size=(args.steps, args.batch, args.dim))
-    return (centres[labels] + noise).astype(np.float32), labels.astype(np.int64), centres
-
-
-def train(args, kind, state_dtype, data):
-    """Train the head; (result dict, its optimizer)."""
-    feats, labels, centres = data
-    paddle.seed(args.seed)
-    head = PartialFC(args.dim, args.classes, CosFace(30.0, 0.35), sample_ratio=args.ratio,
-                     seed=args.seed, param_dtype="int8")
-    if kind == "adamw":
-        opt = SparseAdamW(args.lr_adamw, weight_decay=0.05, state_dtype=state_dtype,
-                          seed=args.seed)
-    else:
-        opt = SparseMomentum(args.lr_sgd, momentum=0.9, weight_decay=5e-4,
-                             state_dtype=state_dtype, seed=args.seed)
-    losses, largest = [], 0.0
-    for t in range(args.steps):
-        before = rows_f32(head.weight).numpy()
-        head.row_update = opt.fused_update(head)
-        loss = head(paddle.to_tensor(feats[t]), paddle.to_tensor(labels[t]))
-        loss.backward()
-        opt.end_fused_step(head)
-        losses.append(float(loss))
-        largest = max(largest, float(np.abs(rows_f32(head.weight).numpy() - before).max()))
-    w = rows_f32(head.weight).numpy()
-    w /= np.linalg.norm(w, axis=1, keepdims=True)
-    top1 = float((np.argmax(centres @ w.T, axis=1) == np.arange(args.classes)).mean())
-    return {"loss_last20": float(np.mean(losses[-20:])), "centre_top1": top1,
-            "largest_step": largest}, opt
-
-
 def state_rows(opt, key):
     """float64 rows of state `key` of the weight that were ever written (nonzero)."""
     x = rows_f32(opt._state["weight"][key]).numpy().astype(np.float64)
@@ -144,8 +103,8 @@ def state_rows(opt, key):
 
 def measure(args, data):
     out = {}
-    _, sgd = train(args, "sgd", "float32", data)
-    _, adamw = train(args, "adamw", "float32", data)
+    _, sgd = run(args, "sgd", "float32", None, data)
+    _, adamw = run(args, "adamw", "float32", None, data)
     v1 = state_rows(sgd, "velocity")
     m, v = state_rows(adamw, "moment1"), state_rows(adamw, "moment2")
     out["rows"] = {"velocity": len(v1), "moment1": len(m), "moment2": len(v)}
@@ -191,7 +150,7 @@ def main():
         for kind in ("sgd", "adamw"):
             for state_dtype in ("float32", "int8", "int4"):
                 start = time.perf_counter()
-                result, _ = train(args, kind, state_dtype, data)
+                result, _ = run(args, kind, state_dtype, None, data)
                 out["runs"].append(dict(optimizer=kind, state=state_dtype,
                                         seconds=round(time.perf_counter() - start, 1),
                                         **result))

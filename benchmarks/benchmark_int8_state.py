@@ -45,6 +45,8 @@ def make_data(args):
 
 
 def run(args, kind, state_dtype, maps, data):
+    """Train the head with `kind`'s optimizer, its state stored as `state_dtype` (8-bit maps
+    `maps`, or None); (result dict, the optimizer)."""
     feats, labels, centres = data
     paddle.seed(args.seed)
     head = PartialFC(args.dim, args.classes, CosFace(30.0, 0.35), sample_ratio=args.ratio,
@@ -70,7 +72,7 @@ def run(args, kind, state_dtype, maps, data):
     w /= np.linalg.norm(w, axis=1, keepdims=True)
     accuracy = float((np.argmax(centres @ w.T, axis=1) == np.arange(args.classes)).mean())
     return {"loss_last20": float(np.mean(losses[-20:])), "centre_top1": accuracy,
-            "largest_step": float(np.max(update_norms))}
+            "largest_step": float(np.max(update_norms))}, opt
 
 
 def main():
@@ -91,7 +93,7 @@ def main():
     for kind in args.optimizers:
         for state_dtype, maps in CHOICES[kind]:
             start = time.perf_counter()
-            result = run(args, kind, state_dtype, maps, data)
+            result, _ = run(args, kind, state_dtype, maps, data)
             out["runs"].append(dict(optimizer=kind, state=maps or state_dtype,
                                     seconds=round(time.perf_counter() - start, 1), **result))
             print(json.dumps(out["runs"][-1]), file=sys.stderr)
