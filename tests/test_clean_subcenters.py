@@ -238,16 +238,20 @@ def test_k1_checkpoint_has_nothing_to_clean(trained, tmp_path, capsys):
     assert "sub_centers=1" in err and "nothing to clean" in err and k1 in err
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-def test_narrow_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_path, dtype):
-    """A bfloat16 or int8 K = 3 head trained a few steps with AdamW: the K = 1 checkpoint
-    stores the dominant centres' bits as they were (int8: each centre's codes and scale), in
-    the same dtype, its AdamW state (moments and step counts) is zero in the shapes of a K = 1
-    head, and a K = 1 run resumes from it."""
+@pytest.mark.parametrize("dtype,state_dtype", [("bfloat16", None), ("int8", None),
+                                               ("int8", "int4")])
+def test_narrow_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_path, dtype,
+                                                               state_dtype):
+    """A bfloat16 or int8 K = 3 head (int8: with 8- or 4-bit moments) trained a few steps with
+    AdamW: the K = 1 checkpoint stores the dominant centres' bits as they were (int8: each
+    centre's codes and scale), in the same dtype, its AdamW state (moments and step counts) is
+    zero in the shapes and dtypes of a K = 1 head (4 bits: records of block scales and 64
+    bytes), and a K = 1 run resumes from it."""
     from plsc.apps.cleaning import clean_subcenters
     out = str(tmp_path / "run")
+    opt = {"name": "adamw", "lr": 1e-3, "head_state_dtype": state_dtype}
     cfg = run_config(trained["list"], out, Global={"max_steps": 3},
-                     Loss={"param_dtype": dtype}, Optimizer={"name": "adamw", "lr": 1e-3})
+                     Loss={"param_dtype": dtype}, Optimizer=opt)
     run = Trainer(cfg)
     run.train()
     ckpt = os.path.join(out, "checkpoints", "step_00000003")
@@ -272,18 +276,23 @@ def test_narrow_adamw_head_gives_the_dominant_bits_and_resumes(trained, tmp_path
         centres = bits["codes"] * (bits["scale"][..., None] / np.float32(127))
     _, expect, _ = oracle(trained, model=run.backbone, weight=centres)
     np.testing.assert_array_equal(dominant, expect)
-    for name, shape in (("moment1", (CLASSES, 128)), ("moment2", (CLASSES, 128)),
+    source = json.load(open(os.path.join(ckpt, "meta.json")))["head_dtypes"]
+    width = 64 if state_dtype == "int4" else 128  # two 4-bit codes a byte
+    for name, shape in (("moment1", (CLASSES, width)), ("moment2", (CLASSES, width)),
                         ("steps", (CLASSES,))):
+        assert meta["head_dtypes"][f"opt.weight.{name}"] == source[f"opt.weight.{name}"]
         state = np.load(os.path.join(k1, "head_rank0", f"opt.weight.{name}.npy"))
-        if state.dtype.names:  # 8-bit records: zero codes and scales
+        if state.dtype.names:  # 8- or 4-bit records: zero codes and scales
             assert state.shape == shape[:1] and state["codes"].shape == shape, name
             assert not state["codes"].any() and not state["scale"].any(), name
         else:
             assert state.shape == shape and not state.any(), name
+    if state_dtype == "int4":
+        assert source["opt.weight.moment2"] == "uint4_log"
     more = run_config(str(tmp_path / "clean" / "train_clean.lst"), str(tmp_path / "more"),
                       Global={"max_steps": 5, "checkpoint": k1}, Loss={"param_dtype": dtype,
                                                                         "sub_centers": 1},
-                      Optimizer={"name": "adamw", "lr": 1e-3})
+                      Optimizer=opt)
     trainer = Trainer(more)
     assert trainer.step == 3
     history = trainer.train()

@@ -11,13 +11,15 @@ An --output inside a run's checkpoints/ folder locks that run's folder while it 
 refused (exit status 73) while a training job uses it.
 
 Head arrays keep their dtype (meta.json `head_dtypes`): re-sharding copies the stored
-bits (8-bit arrays: each row's codes and scale). --export writes what plain numpy reads: a
-bfloat16 array as float32 (exact), an 8-bit array as its float32 values, a float16 or float32
-array as stored; with K sub-centres the weight is [C, K, d]. --import takes a float16/32/64
-array and stores it in the checkpoint's dtype for that array (16 bits: rounded to nearest
-even; 8 bits: quantised to nearest, a new scale a row). --dtype stores every head array (the
-weight, the bias, their optimizer state) as float32, bfloat16 or float16, e.g. an int8 run's
-checkpoint as float32 (a run of any dtype resumes from either: loads convert too).
+bits (8- and 4-bit arrays: each row's codes and scales). --export writes what plain numpy
+reads: a bfloat16 array as float32 (exact), an 8- or 4-bit array as its float32 values, a
+float16 or float32 array as stored; with K sub-centres the weight is [C, K, d]. --import
+takes a float16/32/64 array and stores it in the checkpoint's dtype for that array (16 bits:
+rounded to nearest even; 8 bits: quantised to nearest, a new scale a row); the replaced
+array's optimizer state (4-bit too) restarts at zero. --dtype stores every head array (the
+weight, the bias, their optimizer state, 4-bit state too) as float32, bfloat16 or float16,
+e.g. an int8 run's checkpoint as float32 (a run of any dtype resumes from either: loads
+convert too).
 """
 import argparse
 import sys
@@ -36,7 +38,7 @@ def main(argv=None):
     p.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_XXXXXXXX)")
     p.add_argument("--world-size", type=int, help="re-shard the head for this many ranks")
     p.add_argument("--export", metavar="NPY", help="write head array --array of all classes "
-                   "here (bfloat16 and 8-bit arrays as float32, float16/float32 as stored)")
+                   "here (bfloat16, 8- and 4-bit arrays as float32, float16/float32 as stored)")
     p.add_argument("--array", default="weight",
                    help="head array to export: weight, bias, opt.weight.velocity, ... (default weight)")
     p.add_argument("--import", dest="import_", metavar="NPY",

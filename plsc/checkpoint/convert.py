@@ -101,7 +101,7 @@ def reshard_checkpoint(src, dst, world_size):
 def convert_checkpoint(src, dst, dtype):
     """Copy checkpoint `src` to `dst` with every head array stored as float `dtype` ("float32",
     "bfloat16" or "float16"): the weight, the bias and their optimizer state, from whatever
-    they were (16 or 8 bits, float32); float32 counters (AdamW's step counts) stay float32.
+    they were (16, 8 or 4 bits, float32); float32 counters (AdamW's step counts) stay float32.
     The stored config says `Loss.param_dtype: dtype` and `Optimizer.head_state_dtype: null`.
     Values are converted exactly where the new dtype holds them (to float32 always), else
     rounded to nearest even."""
@@ -131,8 +131,8 @@ def convert_checkpoint(src, dst, dtype):
 
 def export_classifier(src, path, name="weight"):
     """Write head array `name` of all classes as one `[C, ...]` .npy a plain numpy reads,
-    streamed by slabs: a bfloat16 or 8-bit array as float32 (bfloat16 exactly, 8 bits the
-    values the head computes with), float16 and float32 as stored."""
+    streamed by slabs: a bfloat16, 8- or 4-bit array as float32 (bfloat16 exactly, 8 and 4
+    bits the values the head computes with), float16 and float32 as stored."""
     meta = read_meta(src)
     dtype = head_dtype(src, name, meta)
     widen = dtype == "bfloat16" or dtype in INT8_MAPS or dtype in INT4_MAPS

@@ -144,8 +144,8 @@ def bfloat16_to_float32(bits):
 
 
 def rows_as_float32(rows, stored):
-    """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits; 8 bits:
-    records) -> float32 values (exact for 16 bits; 8 bits: as the head reads them)."""
+    """Host rows as a checkpoint stores head dtype `stored` (bfloat16: uint16 bits; 8 and 4
+    bits: records) -> float32 values (exact for 16 bits; 8 and 4 bits: as the head reads them)."""
     if _quantized(stored):
         return _records_f32(rows, stored).numpy()
     return bfloat16_to_float32(rows) if stored == "bfloat16" else rows.astype(np.float32)

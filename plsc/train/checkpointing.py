@@ -6,11 +6,12 @@ import paddle
 
 from .. import distributed as pd
 from ..config import ConfigError
+from ..dtypes import asked_as
 from ..storage import all_rows_finite
-from ..checkpoint import (CheckpointManager, CheckpointSaveError, head_array_bytes,
-                          load_head_rows_into, local_optimizer_state, portable_optimizer_state,
-                          restore_rng, training_meta)
-from ..checkpoint.layout import is_centre_array, state_array
+from ..checkpoint import (CheckpointManager, CheckpointSaveError, array_dtype, head_array_bytes,
+                          head_dtype, load_head_rows_into, local_optimizer_state,
+                          portable_optimizer_state, restore_rng, training_meta)
+from ..checkpoint.layout import is_centre_array, is_state_of, state_array
 
 __all__ = ["Checkpointing"]
 
@@ -18,6 +19,35 @@ __all__ = ["Checkpointing"]
 def _tensor_bytes(values):
     """Bytes of the Paddle tensors among `values`."""
     return sum(v.size * v.element_size() for v in values if isinstance(v, paddle.Tensor))
+
+
+def _listed(groups):
+    """"int8 (moment1, moment2), float32 (bias.velocity)" of {dtype: [state names]}."""
+    return ", ".join(f"{d} ({', '.join(names)})" for d, names in groups.items())
+
+
+def state_dtype_note(stored, run):
+    """The log line of a resume whose head optimizer state is stored otherwise than this run
+    stores it (`stored`, `run`: {head array name: storage dtype name}), or None:
+    "head optimizer state: checkpoint has int8 (moment1, moment2), this run stores int4:
+    converted on load". Dtypes are named as `Optimizer.head_state_dtype` names them (the 8- or
+    4-bit map when both sides are of one width)."""
+    old, new = {}, {}
+    for name in sorted(stored):
+        was, now = stored[name], run[name]
+        state = is_state_of(name, "weight") or is_state_of(name, "bias")
+        if not state or was == now:
+            continue
+        if asked_as(was) != asked_as(now):
+            was, now = asked_as(was), asked_as(now)
+        label = name.split(".", 2)[2] if is_state_of(name, "weight") else name.split(".", 1)[1]
+        old.setdefault(was, []).append(label)
+        new.setdefault(now, []).append(label)
+    if not old:
+        return None
+    stores = next(iter(new)) if len(new) == 1 else _listed(new)
+    return (f"head optimizer state: checkpoint has {_listed(old)}, this run stores {stores}: "
+            "converted on load")
 
 
 class Checkpointing:
@@ -161,5 +191,9 @@ class Checkpointing:
                               f"and {type(self.head_opt).__name__} keep {sorted(arrays)}")
         for name in sorted(stored):  # optimizer state the checkpoint lacks stays zero
             load_head_rows_into(path, name, self.head.class_start, arrays[name], meta)
+        note = state_dtype_note({n: head_dtype(path, n, meta) for n in stored},
+                                {n: array_dtype(arrays[n]) for n in stored})
+        if note:
+            self.log.info(note)
         if "head_opt_step_count" in meta:
             self.head_opt.set_state_dict({"step_count": meta["head_opt_step_count"]})

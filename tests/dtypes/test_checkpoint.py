@@ -249,7 +249,8 @@ def test_import_rejects_a_non_float_or_misshapen_array(tmp_path):
 
 def _fake_trainer(weight_dtype, state_dtype, class_start, rows):
     """What `Trainer._resume_head` and `_head_arrays` use: a head (weight, no bias) of `rows`
-    classes from `class_start`, and a sparse Momentum keeping its state in `state_dtype`."""
+    classes from `class_start`, a sparse Momentum keeping its state in `state_dtype`, and a
+    log keeping its lines (`fake.lines`)."""
     from types import SimpleNamespace
 
     from plsc.train.trainer import Trainer
@@ -258,7 +259,9 @@ def _fake_trainer(weight_dtype, state_dtype, class_start, rows):
                                      default_initializer=paddle.nn.initializer.Constant(0.0))
     head = SimpleNamespace(weight=weight, bias=None, sampled_index=None, sampled_rows=None,
                            class_start=class_start, num_local=rows, sub_centers=1)
-    fake = SimpleNamespace(head=head, head_opt=SparseMomentum(0.1, state_dtype=state_dtype))
+    fake = SimpleNamespace(head=head, head_opt=SparseMomentum(0.1, state_dtype=state_dtype),
+                           lines=[])
+    fake.log = SimpleNamespace(info=fake.lines.append)
     fake._head_arrays = Trainer._head_arrays.__get__(fake)
     return fake, lambda path: Trainer._resume_head(fake, path, ckpt.read_meta(path))
 
@@ -275,6 +278,8 @@ def test_trainer_resumes_a_float32_checkpoint_into_16_bit_storage(tmp_path):
                                   velocity[4:8].astype(np.float16))
     assert fake.head_opt.step_count == 5 and int(state["step_count"]) == 5  # head_opt_step_count
     assert sorted(fake._head_arrays()) == ["opt.weight.velocity", "weight"]  # no step_count
+    assert fake.lines == ["head optimizer state: checkpoint has float32 (velocity), this run "
+                          "stores float16: converted on load"]  # the centres' dtype aside
 
 
 def test_trainer_resume_names_arrays_the_run_does_not_keep(tmp_path):

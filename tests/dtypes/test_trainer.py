@@ -61,6 +61,7 @@ def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, o
     resumed = Trainer(config(data_root, str(tmp_path / "b"), Global={"checkpoint": ckpt},
                              **sections), backbone=make_backbone(1))
     assert resumed.step == 3 and resumed.head_opt.step_count == 3
+    assert "head optimizer state" not in open(str(tmp_path / "b" / "train.log")).read()
     rest = resumed.train()
     assert [s for s, _ in rest] == [4, 5, 6]
     np.testing.assert_array_equal([v for _, v in rest], [v for _, v in history[3:]])
@@ -291,4 +292,79 @@ def test_float32_checkpoint_resumes_as_int8_and_back(tmp_path, data_root):
     np.testing.assert_array_equal(back.head.weight.numpy(), rows_f32(as8.head.weight).numpy())
     np.testing.assert_array_equal(back.head_opt.state_dict()["weight.velocity"].numpy(),
                                   rows_f32(as8.head_opt.state_dict()["weight.velocity"]).numpy())
+    assert [s for s, _ in back.train()] == [7]
+
+
+def assert_nearest_4_bits(got, x, name):
+    """4-bit rows `got` hold float32 values `x` written to nearest under map `name`: block
+    scales, codes (ties aside) and error bound of tests/dtypes/test_quantized4.py's oracle."""
+    from dtypes import test_quantized4 as q4
+    codes, scale = got.codes.numpy(), got.scale.numpy()
+    np.testing.assert_array_equal(scale, q4.oracle_scales(x), err_msg=name)
+    want, edge = q4.oracle_index(x, name)
+    index = q4.oracle_unpack(codes, name)
+    assert edge.mean() < 0.05
+    np.testing.assert_array_equal(index[~edge], want[~edge], err_msg=name)
+    assert (np.abs(index - want) <= 1).all()
+    err = np.abs(q4.values_of(codes, scale, name, x.shape[1]) - x)
+    assert (err <= q4.map_bound(x, name)).all(), name
+
+
+def assert_nearest_8_bits(got, x, name):
+    """8-bit rows `got` hold float32 values `x` written to nearest under map `name`: row
+    scales and codes (ties aside) of tests/dtypes/test_quantized.py's oracle."""
+    from dtypes import test_quantized as q8
+    np.testing.assert_array_equal(got.scale.numpy(), np.abs(x).max(axis=1), err_msg=name)
+    want, edge = q8.oracle_codes(x, name)
+    codes = got.codes.numpy().astype(np.int64)
+    assert edge.mean() < 0.05
+    np.testing.assert_array_equal(codes[~edge], want[~edge], err_msg=name)
+    assert (np.abs(codes - want) <= 1).all()
+
+
+def test_int8_state_resumes_as_int4_and_back(tmp_path, data_root):
+    """An int8-state AdamW run's step-3 checkpoint resumed with Optimizer.head_state_dtype=int4
+    logs the conversion once; each moment's block scales are the largest magnitudes of the int8
+    values and its codes the nearest 4-bit ones (tests/dtypes/test_quantized4.py's oracle),
+    within that map's bound, and training goes on; that run's step-6 checkpoint resumed with
+    int8 state logs the way back and holds the 4-bit values quantised to nearest int8 (the
+    oracle of tests/dtypes/test_quantized.py) within a step of the map."""
+    import plsc.checkpoint as ckpt
+    from dtypes import test_quantized as q8, test_quantized4 as q4
+    sections = dict(Loss={"param_dtype": "int8"}, Optimizer={"name": "adamw", "lr": 0.01})
+
+    def run(name, state_dtype, **glob):
+        return Trainer(config(data_root, str(tmp_path / name), Global=glob, Loss=sections["Loss"],
+                              Optimizer=dict(sections["Optimizer"], head_state_dtype=state_dtype)),
+                       backbone=make_backbone(1))
+
+    def log_lines(name):
+        text = open(os.path.join(str(tmp_path / name), "train.log")).read()
+        return [line for line in text.splitlines() if "head optimizer state" in line]
+
+    run("i8", None, max_steps=3).train()
+    assert log_lines("i8") == []
+    step3 = os.path.join(str(tmp_path / "i8"), "checkpoints", "step_00000003")
+    as4 = run("i4", "int4", checkpoint=step3)
+    assert as4.step == 3
+    (line,) = log_lines("i4")
+    assert line.endswith("head optimizer state: checkpoint has int8 (moment1, moment2), this "
+                         "run stores int4: converted on load")
+    for key, m8, m4 in (("moment1", "int8_log", "int4_log"), ("moment2", "uint8_log", "uint4_log")):
+        rec = ckpt.load_head_rows(step3, f"opt.weight.{key}", 0, CLASSES)
+        x = q8.value_of(rec["codes"], rec["scale"], m8).astype(np.float32)
+        assert np.abs(x).max() > 0
+        assert_nearest_4_bits(as4.head_opt.state_dict()[f"weight.{key}"], x, m4)
+    history = as4.train()
+    assert [s for s, _ in history] == [4, 5, 6] and np.isfinite([v for _, v in history]).all()
+    step6 = os.path.join(str(tmp_path / "i4"), "checkpoints", "step_00000006")
+    assert ckpt.read_meta(step6)["head_dtypes"]["opt.weight.moment2"] == "uint4_log"
+    back = run("back", None, checkpoint=step6, max_steps=7)
+    (line,) = log_lines("back")
+    assert line.endswith("checkpoint has int4 (moment1, moment2), this run stores int8: "
+                         "converted on load")
+    for key, m4, m8 in (("moment1", "int4_log", "int8_log"), ("moment2", "uint4_log", "uint8_log")):
+        a = as4.head_opt.state_dict()[f"weight.{key}"]
+        x = q4.values_of(a.codes.numpy(), a.scale.numpy(), m4, a.shape[-1]).astype(np.float32)
+        assert_nearest_8_bits(back.head_opt.state_dict()[f"weight.{key}"], x, m8)
     assert [s for s, _ in back.train()] == [7]
