@@ -26,8 +26,9 @@ launch of each side; the figures are medians over the repeats.
 
 Cases (--cases): r18 (IResNet18, CosFace, dense head of --classes, default 1000, SGD), r50_pfc
 (IResNet50, ArcFace, Partial FC 0.1 over 100,000 classes, SGD), vit_t (ViT-T as in
-arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). Both
-sides send the backbone's gradients in float16, as train_v2.py's DDP compression hook does.
+arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). plsc
+runs its defaults (float32 gradient all-reduce); arcface_torch sends the backbone's gradients in
+float16, as train_v2.py's DDP compression hook does.
 """
 import argparse
 import json
@@ -95,7 +96,7 @@ def plsc_config(spec, args, images):
             else {"margin": "cosface", "m3": m3})
     loss.update(scale=64.0, num_classes=spec["classes"], sample_ratio=spec["sample_ratio"])
     opt = {"name": spec["optimizer"], "lr": spec["lr"], "weight_decay": spec["weight_decay"],
-           "grad_clip": 5.0, "grad_allreduce_dtype": "float16"}
+           "grad_clip": 5.0}
     if spec["optimizer"] == "sgd":
         opt["momentum"] = 0.9
     return {"Global": {"seed": 0, "device": "cpu", "cpu_threads": THREADS,
