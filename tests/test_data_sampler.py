@@ -104,12 +104,12 @@ def test_block_shuffle_reads_runs_of_consecutive_records():
 
 def test_block_shuffle_is_resume_exact():
     """A sampler built afresh for the same epoch (a resumed run) gives the same batches, so
-    skipping the first k (trainer's _FromBatch) continues the interrupted order."""
+    skipping the first k (`FromBatch`, as the trainer does) continues the interrupted order."""
     a = DistributedBatchSampler(500, 8, 1, 2, seed=3, block_size=16, buffer_blocks=3)
     a.set_epoch(2)
     first = list(a)
     b = DistributedBatchSampler(500, 8, 1, 2, seed=3, block_size=16, buffer_blocks=3)
     b.set_epoch(2)
     assert list(b)[5:] == first[5:]
-    from plsc.train.trainer import _FromBatch
-    assert list(_FromBatch(b, 5)) == first[5:]
+    from plsc.data.sampler import FromBatch
+    assert list(FromBatch(b, 5)) == first[5:]

@@ -1,7 +1,7 @@
 """Distributed batch sampler: each rank takes its own slice of a seeded per-epoch permutation."""
 import numpy as np
 
-__all__ = ["DistributedBatchSampler"]
+__all__ = ["DistributedBatchSampler", "FromBatch"]
 
 
 class DistributedBatchSampler:
@@ -81,3 +81,18 @@ class DistributedBatchSampler:
         mine = self.indices().tolist()
         for b in range(len(self)):
             yield mine[b * self.batch_size:(b + 1) * self.batch_size]
+
+
+class FromBatch:
+    """A batch sampler that starts its epoch at batch `start` (resume mid-epoch)."""
+
+    def __init__(self, sampler, start=0):
+        self.sampler, self.start = sampler, start
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+    def __iter__(self):
+        for i, batch in enumerate(self.sampler):
+            if i >= self.start:
+                yield batch

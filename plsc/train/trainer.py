@@ -11,6 +11,7 @@ from .. import cpu_setup, runtime
 from ..config import ConfigError, dump_config
 from ..cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
+from ..data.sampler import FromBatch
 from ..data.tensors import to_tensor
 from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
@@ -30,23 +31,9 @@ from .grad_sync import OverlappedSum
 from .logger import TrainLogger, visualdl_dir
 from .preemption import StopSignals, host_group
 from .stopping import Stopping, reports_lost_ranks
+from .timers import step_timers
 
 __all__ = ["Trainer"]
-
-
-class _FromBatch:
-    """A batch sampler that starts its epoch at batch `start` (resume mid-epoch)."""
-
-    def __init__(self, sampler, start=0):
-        self.sampler, self.start = sampler, start
-
-    def __len__(self):
-        return len(self.sampler) - self.start
-
-    def __iter__(self):
-        for i, batch in enumerate(self.sampler):
-            if i >= self.start:
-                yield batch
 
 
 def _closed_on_error(init):
@@ -317,7 +304,7 @@ class Trainer(Checkpointing, Stopping):
         self.sampler.set_epoch(self.epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
-        loader = DataLoader(self.dataset, _FromBatch(self.sampler, self.batch_in_epoch),
+        loader = DataLoader(self.dataset, FromBatch(self.sampler, self.batch_in_epoch),
                             num_workers=self.cfg["Data"]["num_workers"], on_skip=self._skipped,
                             reuse=self.accumulate + 3)  # held: the micro-batches, 2 prefetched
         return Prefetcher(loader) if self.cfg["Data"]["device_prefetch"] else loader
@@ -359,7 +346,8 @@ class Trainer(Checkpointing, Stopping):
         if self._folder is None:
             self._folder = self._claim()
         try:
-            return self._train()
+            with step_timers(self):  # opt-in (PLSC_STEP_TIMES): per-phase step times, timers.py
+                return self._train()
         finally:
             self.close()
 
