@@ -9,9 +9,11 @@ operator events, one profiler session a phase:
   not counted;
 - "kernels": kernel launch events (`DygraphKernelLaunch`), what a GPU would launch.
 "head_step" is forward + backward, "update" the optimizer's step. An 8-bit weight's update
-runs inside the backward (`fused_update`: no 8-bit gradient exists), so its "head_step"
-holds the update; "head_own" is then the head's forward + backward with a sink that does
-nothing.
+runs inside the backward (`fused_update`: no 8-bit gradient exists), and with `--update fused`
+every weight's (the trainer's default, `Optimizer.fused_head_update`), so "head_step" holds
+the update and "update" is `end_fused_step`; "head_own" is then the head's forward + backward
+with a sink that does nothing. The trainer's own head step is `--update fused --check-inputs
+labels` (its "step").
 
 The heads: dense (sample_ratio 1, chunk_size 0), Partial FC 0.1 and chunked (blocks of
 `--chunk` classes; PartialFC's default `check_inputs=True`, or `--check-inputs labels` as the
@@ -22,6 +24,8 @@ the CPU kernel set and the device set (`PLSC_KERNELS=device`: Paddle ops only, w
 runs). One warm-up step first (creates the optimizer state). Prints JSON.
 
     python benchmarks/benchmark_launches.py --classes 100000 1000000 --out launches.json
+    python benchmarks/benchmark_launches.py --classes 50000 200000 --heads pfc0.1 \
+        --kernel-sets device --update fused --check-inputs labels  # the trainer's step
 """
 import argparse
 import json
@@ -95,8 +99,9 @@ def optimizer(name, dtype, state=None):
 
 
 def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=16384, seed=0,
-                check_inputs=True):
-    """Counts of one step (after a warm-up step) split by phase, and the step's total."""
+                check_inputs=True, fused=False):
+    """Counts of one step (after a warm-up step) split by phase, and the step's total;
+    `fused`: the update inside the backward (an 8-bit weight's always is)."""
     kw = dict(HEADS[head_kind])
     if kw["chunk_size"] is None:
         kw["chunk_size"] = chunk
@@ -108,7 +113,7 @@ def step_counts(head_kind, dtype, opt_name, classes, d=512, batch=128, chunk=163
     x = paddle.to_tensor(rng.normal(size=(batch, d)).astype("float32"))
     x.stop_gradient = False
     y = paddle.to_tensor(rng.randint(0, classes, batch).astype("int64"))
-    fused = dtype == "int8"  # an 8-bit weight's gradient goes to the fused update
+    fused = fused or dtype == "int8"  # an 8-bit weight's gradient goes to the fused update
     holder = {}
 
     def forward():
@@ -165,6 +170,10 @@ def main(argv=None):
     parser.add_argument("--check-inputs", default="true", choices=["labels", "true"],
                         help="PartialFC's check_inputs: 'true' (its default: one small "
                              "all-gather and read a step) or 'labels' (the trainer's: no read)")
+    parser.add_argument("--update", default="after", choices=["after", "fused"],
+                        help="the optimizer's update after the backward (8-bit weights: "
+                             "inside it) or inside the backward for every weight (fused: the "
+                             "trainer's default)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     paddle.set_device("cpu")
@@ -182,7 +191,8 @@ def main(argv=None):
                         t0 = time.perf_counter()
                         counts = step_counts(head, dtype, opt, classes, args.embedding_size,
                                              args.batch_size, args.chunk,
-                                             check_inputs=check_inputs)
+                                             check_inputs=check_inputs,
+                                             fused=args.update == "fused")
                         rows.append(dict(kernels=kernels, classes=classes, head=head,
                                          dtype=dtype, optimizer=opt, **counts,
                                          seconds=round(time.perf_counter() - t0, 1)))
@@ -195,7 +205,7 @@ def main(argv=None):
                                             "step_top": counts["step"]["top"]}),
                               file=sys.stderr, flush=True)
     report = {"d": args.embedding_size, "batch": args.batch_size, "chunk": args.chunk,
-              "check_inputs": args.check_inputs,
+              "check_inputs": args.check_inputs, "update": args.update,
               "paddle": paddle.__version__, "rows": rows}
     text = json.dumps(report, indent=1)
     if args.out:

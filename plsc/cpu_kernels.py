@@ -293,4 +293,6 @@ def finite_flag(tensors):
     if cpu_set(*tensors):
         return paddle.full([], all_finite(*tensors), dtype="bool")  # not to_tensor: it leaks a list
     flags = [paddle.isfinite(t).all() for t in tensors]
+    if len(flags) == 1:
+        return flags[0]
     return paddle.stack(flags).all() if flags else paddle.full([], True, dtype="bool")

@@ -140,15 +140,17 @@ def put(t, where, values, bits=None, keep=None):
         t.index_put_((where,), values)
 
 
-def kept(t, where, values, keep):
-    """float32 `values` for rows `where` of `t`, or (where the 0-d bool `keep` is true) the
-    float32 values those rows hold now (exact: the storage's values upcast), as `put` writes
-    them; `keep` None: `values`."""
+def kept(t, where, values, keep, old=None):
+    """float32 `values` for rows `where` of `t`, or (where the bool `keep`, 0-d or of
+    `values`' shape, is true) the float32 values those rows hold now (exact: the storage's
+    values upcast), as `put` writes them; `keep` None: `values`. `old`: those values, read
+    already (then `t` is not read)."""
     if keep is None:
         return values
-    n = values.shape[0]
-    return paddle.where(keep, read(t, where, where + n) if isinstance(where, int)
-                        else take(t, where), values)
+    if old is None:
+        n = values.shape[0]
+        old = read(t, where, where + n) if isinstance(where, int) else take(t, where)
+    return paddle.where(keep, old, values)
 
 
 def as_array(value):

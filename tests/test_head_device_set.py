@@ -17,7 +17,8 @@ from plsc.optim import SparseAdamW, SparseMomentum
 
 from scripts import load
 
-count_ops = load("benchmarks/benchmark_launches.py").count_ops
+launches = load("benchmarks/benchmark_launches.py")
+count_ops = launches.count_ops
 
 # The two sets compute the same float32 operations in a different order (numpy/MKL row
 # reductions in slabs of rows vs Paddle's reductions; MKL's vsExp vs Paddle's exp, both within
@@ -113,6 +114,22 @@ def test_partial_fc_count_does_not_grow_with_the_classes(dtype, monkeypatch):
     assert small == large, (small, large)
     # beyond the budget the count grows a slab at a time
     assert _head_counts(100_000, monkeypatch, ratio=0.1, dtype=dtype)[0] > large
+
+
+# The trainer's own head step on the device set (Partial FC 0.1, the update inside the
+# backward, its label check): top-level ops of forward + backward + end_fused_step, as
+# `benchmark_launches.py --update fused --check-inputs labels` counts them (issue 48: 146
+# and 217 before).
+TRAINER_STEP_LIMITS = {("float32", "sgd"): 145, ("bfloat16", "adamw"): 200}
+
+
+@pytest.mark.parametrize("dtype,opt", sorted(TRAINER_STEP_LIMITS))
+def test_trainer_step_count_is_bounded_and_flat(dtype, opt, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device")
+    counts = [launches.step_counts("pfc0.1", dtype, opt, classes, d=16, batch=8,
+                                   check_inputs="labels", fused=True)["step"]["top"]
+              for classes in (2_000, 20_000)]
+    assert counts[0] == counts[1] <= TRAINER_STEP_LIMITS[dtype, opt], counts
 
 
 def test_chunked_count_is_constant_per_block(monkeypatch):

@@ -274,7 +274,7 @@ class PartialFC(nn.Layer):
                              f"got {list(embeddings.shape)}")
         if labels.dtype not in (paddle.int32, paddle.int64):
             raise TypeError(f"labels must be int32 or int64, got {labels.dtype}")
-        labels = labels.reshape([-1])
+        labels = labels if labels.ndim == 1 else labels.reshape([-1])
         labels = labels if labels.dtype == paddle.int64 else labels.astype("int64")
         if labels.shape[0] != embeddings.shape[0]:
             raise ValueError(f"got {labels.shape[0]} labels for {embeddings.shape[0]} embeddings")

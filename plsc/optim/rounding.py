@@ -25,7 +25,8 @@ Method.
   of a 2x2 block XOR to 0), so rounding errors are uncorrelated, at the cost of
   one broadcast per block.
 - The device set (`plsc.cpu_kernels.cpu_set`) computes the same bits in fewer, larger ops
-  (one broadcast XOR; constants and the column terms made once per device); the CPU set keeps
+  (one broadcast XOR; constants and the column terms made once per device, a batch's hash
+  keys copied there 1,024 steps at a time); the CPU set keeps
   the expand and in-place XOR that Paddle's CPU kernels run faster.
 - 8-bit storage rounds with `uniform_noise`: 23 of the same bits as the mantissa of a
   float in [1, 2), minus 1: uniform on the multiples of 2^-23 in [0, 1).
@@ -93,6 +94,23 @@ def _key_tensor(key, place):
     return paddle.full([], _signed(key), dtype="int64").to(place)
 
 
+_KEY_STEPS = 1024  # steps of hash keys made at once (`_keys_tensor`)
+_KEY_TABLES = {}  # (seed, streams, rank, place) -> (first step, [_KEY_STEPS, K, 1] keys)
+
+
+def _keys_tensor(seed, streams, step, rank, place):
+    """`[len(streams), 1]` int64: the hash keys of `streams` at `step`, sliced (one op) from a
+    table of `_KEY_STEPS` steps' keys copied to `place` once per that many steps."""
+    first = step - step % _KEY_STEPS
+    key = (seed, tuple(streams), rank, str(place))
+    held = _KEY_TABLES.get(key)
+    if held is None or held[0] != first:
+        values = [[[_signed(_key(seed, s, t, rank))] for s in streams]
+                  for t in range(first, first + _KEY_STEPS)]
+        held = _KEY_TABLES[key] = (first, paddle.to_tensor(values, dtype="int64", place=place))
+    return held[1][step - first]
+
+
 def _column_terms(m, place):
     """`(2^62 + j)·golden` (modulo 2^64) for the columns j < m, made once per width."""
     key = ("columns", m, str(place))
@@ -149,12 +167,13 @@ def _random_bits_device(rows, m, key, bits, place, shift=0, base=0):
     return paddle.bitwise_xor(h[:r].reshape([r, 1]), column)  # base: not among the random bits
 
 
-def _bfloat16_stochastic_device(x, noise):
-    """`_bfloat16_stochastic` in fewer ops (the device set; the same bits)."""
+def _bfloat16_stochastic_device(x, noise, pairs=False):
+    """`_bfloat16_stochastic` in fewer ops (the device set; the same bits); `pairs`: as int32
+    pairs of them (`round_stacked`)."""
     bits = noise.add_(x.view("int32"))
     bits = paddle.where(paddle.isnan(x), _const(_QUIET_NAN, x.place, "int32"), bits)
     high = paddle.bitwise_right_shift(bits, _const(16, x.place, "int32"), is_arithmetic=True)
-    return high.astype("int16").view("bfloat16")
+    return high.astype("int16").view("int32" if pairs else "bfloat16")
 
 
 def _bfloat16_stochastic(x, noise):
@@ -181,14 +200,15 @@ def _float16_ulp(x):
     return power.clip_(2.0 ** -14, 2.0 ** 15).scale_(2.0 ** -10)
 
 
-def round_stacked(values, dtype, bits):
+def round_stacked(values, dtype, bits, pairs=False):
     """float32 `values` (`[K, r, m]`: K arrays' rows, or one array's `[r, m]`) rounded
     stochastically to the 16-bit `dtype` in one pass, with `bits` of the same shape
     (`BitsBatch`'s; consumed): the device set's rounding, each array with the bits
-    `round_to` gives it."""
+    `round_to` gives it. `pairs` (m even): the 16-bit values' bits as int32 pairs."""
     if dtype_name(dtype) == "bfloat16":
-        return _bfloat16_stochastic_device(values, bits)
-    return _float16_stochastic(values, bits)
+        return _bfloat16_stochastic_device(values, bits, pairs)
+    out = _float16_stochastic(values, bits)
+    return out.view("int32") if pairs else out
 
 
 def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, stream=0):
@@ -311,8 +331,7 @@ class BitsBatch:
         place, r = rows.place, rows.shape[0]
         c = _constants(place)
         streams = list(self.streams)
-        keys = paddle.stack([_key_tensor(_key(self.seed, s, self.step, self.rank), place)
-                             for s in streams]).reshape([len(streams), 1])
+        keys = _keys_tensor(self.seed, streams, self.step, self.rank, place)  # [K, 1]
         rows = rows if rows.dtype == paddle.int64 else rows.astype("int64")
         z = paddle.concat([rows * c["golden"], _column_terms(m, place)]) + keys  # [K, r + m]
         h = _mix(z, c)
@@ -328,8 +347,9 @@ class BitsBatch:
             if shift:
                 part = paddle.bitwise_left_shift(part, _const(shift, place))
             part = part.astype("int32")
-            column = part[:, r:] if not base else \
-                paddle.bitwise_or(part[:, r:], _const(base, place, "int32"))
-            both = paddle.bitwise_xor(part[:, :r].unsqueeze(2), column.unsqueeze(1))
+            row, column = paddle.split(part, [r, m], axis=1)
+            if base:
+                column = paddle.bitwise_or(column, _const(base, place, "int32"))
+            both = paddle.bitwise_xor(row.unsqueeze(2), column.unsqueeze(1))
             out.append(([streams[k] for k in ks], both))
         return out

@@ -66,6 +66,8 @@ class Rows:
         self.start, self.stop = start, stop
         self.batch = None
         self._pending = []  # 16-bit writes rounded together by `flush` (the device set)
+        self._read = {}  # with `keep`: each array's rows as read, what a kept row writes back
+        self._masks = {}  # with `keep`: it expanded to each shape written
         if arrays and opt.rounding == "stochastic" and self.index is not None \
                 and not cpu_set(self.index):
             # The device set hashes the random bits of every rounded array of these rows
@@ -78,8 +80,33 @@ class Rows:
                                        streams)
 
     def read(self, t):
+        value = self._take(t)
+        if self.keep is not None:
+            self._read[id(t)] = value  # what a kept row writes back (the optimizers do not
+        return value  # modify what they read in place)
+
+    def _take(self, t):
         return storage.read(t, self.start, self.stop) if self.index is None \
             else storage.take(t, self.index)
+
+    def _old(self, t):
+        """The rows of `t` as `read` gave them (read now if they were not)."""
+        old = self._read.pop(id(t), None)
+        return self._take(t) if old is None else old
+
+    def _mask(self, shape):
+        """`keep` expanded to `shape`, once per shape."""
+        key = tuple(shape)
+        if key not in self._masks:
+            self._masks[key] = paddle.expand(self.keep, list(shape))
+        return self._masks[key]
+
+    def _kept(self, t, value):
+        """`value` (float32), or where `keep` is true the rows of `t` as they were: `put`'s
+        `keep` (`storage.kept`) on the rows already read, with the mask expanded once."""
+        if self.keep is None or value.dtype != paddle.float32 or not storage.has_autograd(t):
+            return value  # (`put` refuses keep with other values; 8 bits keep their codes)
+        return storage.kept(t, self.index, value, self._mask(value.shape), self._old(t))
 
     def write(self, t, value, key=""):
         """Store `value` (float32) in these rows of `t`, the array `key` of the parameter
@@ -90,17 +117,19 @@ class Rows:
             if self.opt.rounding == "stochastic":
                 if self.batch is not None and storage.name(t) in ("bfloat16", "float16") \
                         and value.ndim == 2:
-                    self._pending.append((t, value, key))
+                    self._pending.append((t, value, key))  # kept in `flush`
                     return
                 bits = StochasticBits(self.opt.seed, _stream(self.name, key),
                                       self.opt.step_count, self.rank, self.batch)
-        storage.put(t, self.start if self.index is None else self.index, value, bits,
-                    self.keep)
+        kept = self._kept(t, value)
+        storage.put(t, self.start if self.index is None else self.index, kept, bits,
+                    self.keep if kept is value else None)
 
     def flush(self):
         """Store the deferred 16-bit writes (device set, stochastic rounding): arrays whose
         bits `BitsBatch` drew in one extraction are rounded together in one pass (their bits
-        are the ones each would get alone), then stored one by one."""
+        are the ones each would get alone; with `keep`, one `where` for them all), then
+        stored one by one."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -111,15 +140,18 @@ class Rows:
         if bits is None or len({storage.name(by_stream[s][0]) for s in order}) > 1:
             for stream in order:
                 t, value = by_stream[stream]
-                storage.put(t, self.index, value,
+                storage.put(t, self.index, self._kept(t, value),
                             StochasticBits(self.opt.seed, stream, self.opt.step_count,
-                                           self.rank, self.batch), self.keep)
+                                           self.rank, self.batch))
             return
-        values = paddle.stack([storage.kept(by_stream[s][0], self.index, by_stream[s][1],
-                                            self.keep) for s in order])
-        rounded = round_stacked(values, by_stream[order[0]][0].dtype, bits)
-        if rounded.shape[-1] % 2 == 0:  # the arrays' rows as int32 pairs, split in one op
-            rounded = paddle.unbind(rounded.view("int32"), 0)
+        values = paddle.stack([by_stream[s][1] for s in order])
+        if self.keep is not None:
+            old = paddle.stack([self._old(by_stream[s][0]) for s in order])
+            values = storage.kept(None, self.index, values, self._mask(values.shape), old)
+        pairs = values.shape[-1] % 2 == 0  # the arrays' rows as int32 pairs, split in one op
+        rounded = round_stacked(values, by_stream[order[0]][0].dtype, bits, pairs=pairs)
+        if pairs:
+            rounded = paddle.unbind(rounded, 0)
         for j, stream in enumerate(order):
             storage.put(by_stream[stream][0], self.index, rounded[j])
 

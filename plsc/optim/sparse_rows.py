@@ -89,6 +89,8 @@ class SparseRowOptimizer:
 
     def fused_finite(self):
         """A 0-d bool tensor: no slab of the last fused update was skipped (nothing read)."""
+        if len(self._fused_flags) == 1 and self._fused_counts[1] == 0:
+            return self._fused_flags[0]
         flag = paddle.full([], self._fused_counts[1] == 0, dtype="bool")
         for f in self._fused_flags:
             flag = paddle.logical_and(flag, f)

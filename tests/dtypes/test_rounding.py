@@ -201,3 +201,20 @@ def test_shapes_and_float32(dtype):
         round_to(x.astype("float64"), dtype)
     with pytest.raises(ValueError):
         round_to(x, dtype, mode="up")
+
+
+@pytest.mark.parametrize("step", [3, 1023, 1024, 2500])  # the keys come 1,024 steps a table
+def test_batched_bits_are_round_tos_at_every_step(step):
+    """`BitsBatch` (the device set's optimizer writes: several arrays' bits in one pass, its
+    hash keys sliced from a table of steps) rounds each array as `round_to` does alone."""
+    from plsc.optim.rounding import BitsBatch, round_stacked
+    rng = np.random.default_rng(step)
+    x = paddle.to_tensor(rng.standard_normal([5, 6]).astype(np.float32))
+    rows = paddle.to_tensor(rng.choice(1000, 5, replace=False).astype(np.int64))
+    streams = [11, 22]
+    batch = BitsBatch(7, step, 2, rows, 6, {s: "bfloat16" for s in streams})
+    got = round_stacked(paddle.stack([x, x * 3]), "bfloat16", batch.stacked(streams))
+    for k, s in enumerate(streams):
+        want = round_to(x * (1 + 2 * k), "bfloat16", seed=7, step=step, rank=2, rows=rows,
+                        stream=s)
+        np.testing.assert_array_equal(got[k].view("int16").numpy(), want.view("int16").numpy())
