@@ -11,6 +11,9 @@
     python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --num-classes 400000 --batch-size 256 --chunk-size 25000 --update \
         --param-dtype float32 bfloat16 --fused
+    python benchmarks/benchmark_head.py --num-classes 200000 --batch-size 512 \
+        --param-dtype int8 --fused --compare-dtypes --compare-state-dtypes int8 int4 \
+        --sample-ratio 1.0 0.1 --steps 7
     python -m paddle.distributed.launch --nproc_per_node 2 benchmarks/benchmark_head.py \
         --capacity --num-classes 9000000 --batch-size 256 --chunk-size 16384 \
         --param-dtype bfloat16 --fused --save /tmp/plsc_capacity
@@ -125,6 +128,10 @@ def parse_args(argv=None):
     p.add_argument("--compare-dtypes", action="store_true",
                    help="time the steps of every --param-dtype and the GEMMs in the same rounds "
                         "and report their ratios (one JSON line per rank)")
+    p.add_argument("--compare-state-dtypes", nargs="+",
+                   choices=("float32", "bfloat16", "float16", "int8", "int4"),
+                   help="with --compare-dtypes: every --param-dtype with each of these state "
+                        "dtypes, in the same rounds (e.g. int8 int4: 4-bit against 8-bit state)")
     p.add_argument("--save", metavar="DIR",
                    help="capacity mode: also save the head's arrays (streamed, as a checkpoint "
                         "does) into DIR, and report the time and the peak RSS with it")
@@ -145,10 +152,11 @@ def _fused(args, dtype):
     return args.fused and (dtype != "float32" or args.fused_fp32)
 
 
-def _optimizer(args):
+def _optimizer(args, state=None):
+    state = state or args.state_dtype
     if args.optimizer == "adamw":
-        return SparseAdamW(0.001, weight_decay=0.05, state_dtype=args.state_dtype)
-    return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4, state_dtype=args.state_dtype)
+        return SparseAdamW(0.001, weight_decay=0.05, state_dtype=state)
+    return SparseMomentum(0.1, momentum=0.9, weight_decay=5e-4, state_dtype=state)
 
 
 def local_batch(args, rank):
@@ -280,25 +288,29 @@ def bench_ratio(args, ratio, rank, world, chunk, dtype):
 
 
 def bench_dtypes(args, ratio, rank, world, chunk):
-    """The step of one head per `--param-dtype` and the three GEMMs (fresh outputs), all in
-    the same rounds (each round runs every one once, medians reported), so that the dtypes'
-    ratio is measured under the same machine conditions."""
+    """The step of one head per `--param-dtype` (and, with `--compare-state-dtypes`, per state
+    dtype: keys "int8+int4") and the three GEMMs (fresh outputs), all in the same rounds (each
+    round runs every one once, medians reported), so that the ratios are measured under the
+    same machine conditions."""
     d, b = args.embedding_size, args.batch_size
     n = b * world
     rng, x, y = local_batch(args, rank)
+    states = args.compare_state_dtypes or [None]
     runs = {}
     for dtype in args.param_dtype:
-        head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
-                         seed=args.seed, chunk_size=chunk, param_dtype=dtype)
-        opt = _optimizer(args) if args.update or args.fused else None
-        step = make_step(head, opt, x, y, _fused(args, dtype))
+        for state in states:
+            head = PartialFC(d, args.num_classes, MARGINS[args.margin](), sample_ratio=ratio,
+                             seed=args.seed, chunk_size=chunk, param_dtype=dtype)
+            opt = _optimizer(args, state) if args.update or args.fused else None
+            step = make_step(head, opt, x, y, _fused(args, dtype))
 
-        def run(step=step, head=head):
-            x.grad = None
-            head.drop_dense_gradients()
-            step()
-        run()  # warm-up; creates the optimizer state
-        runs[dtype] = run
+            def run(step=step, head=head):
+                x.grad = None
+                head.drop_dense_gradients()
+                step()
+            run()  # warm-up; creates the optimizer state
+            runs[dtype if state is None else f"{dtype}+{state}"] = run
+    keys = list(runs)
     feats = paddle.randn([n, d])
     w = paddle.randn([head.num_sample, d])  # the GEMMs on the (last) head's shapes
     logits = paddle.matmul(feats, w, transpose_y=True)
@@ -309,15 +321,17 @@ def bench_dtypes(args, ratio, rank, world, chunk):
         for key, fn in runs.items():
             times[key].append(timed(fn, 1))
     t = {key: statistics.median(v) for key, v in times.items()}
-    first = args.param_dtype[0]
     return {"bench": "dtypes", "rank": rank, "world_size": world, "num_classes": args.num_classes,
             "embedding_size": d, "global_batch": n, "sample_ratio": ratio, "chunk_size": chunk,
+            "optimizer": args.optimizer,
             "update": bool(args.update or args.fused), "fused": {k: _fused(args, k) for k in
                                                                   args.param_dtype},
-            "step_time_s": {k: round(t[k], 4) for k in args.param_dtype},
+            "step_time_s": {k: round(t[k], 4) for k in keys},
             "gemm_time_s": round(t["gemms"], 4),
-            "time_ratio": {k: round(t[k] / t["gemms"], 3) for k in args.param_dtype},
-            f"ratio_to_{first}": {k: round(t[k] / t[first], 3) for k in args.param_dtype}}
+            "time_ratio": {k: round(t[k] / t["gemms"], 3) for k in keys},
+            f"ratio_to_{keys[0]}": {k: round(t[k] / t[keys[0]], 3) for k in keys},
+            "pair_ratios": {k: [round(a / b, 3) for a, b in zip(times[k], times[keys[0]])]
+                            for k in keys[1:]}}
 
 
 def rss_peak_bytes():

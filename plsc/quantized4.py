@@ -23,101 +23,57 @@ A code is a value's index in its map's ascending table minus the index of 0, kep
 low nibble of byte j, element 2j + 1 the high one.
 
 Writing (`quantize`) rounds to nearest or, with `noise` (uniform in [0, 1), one per value),
-stochastically as `plsc.quantized` does; a block with a NaN or an infinity gets a NaN scale.
-The CPU kernel set runs numpy on the tensors' memory, a slab of rows per kernel thread; the
-device set runs batched Paddle ops (bitwise and shift ops on uint8 for the nibbles): the same
-IEEE operations, so the same bits (tested).
+stochastically as `plsc.quantized` does; a block with a NaN or an infinity gets a NaN scale
+(its codes are 0). The CPU kernel set runs numpy on the tensors' memory, a slab of rows per
+kernel thread, finding each value's bracket from its bits (`plsc.quantized4_tables`); the
+device set runs batched Paddle ops: the bracket's row of a small table by `searchsorted`, the
+zero-point rule and the clipping folded into that table, two nibbles a byte by one product
+with (1, 16), reads through a 256-entry table of byte pairs. The same IEEE operations, so the
+same bits (tested). Device ops at d = 512: 18 a write (19 with noise), 6 a read
+(docs/memory_and_benchmarks.md, "4-bit state").
 """
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 
 from .cpu_kernels import applies, as_numpy, cpu_set, run_rows
 from .dtypes import INT4_MAP_NAMES
 from .quantized import Int8Rows, _Map, _take
+from .quantized4_tables import BLOCK, blocks, dequantize_rows, pair_values, quantize_rows, \
+    rows as _rows, table as _table
 
-__all__ = ["BLOCK", "INT4_MAPS", "Int4Rows", "quantize", "dequantize", "record_dtype",
-           "pack", "unpack"]
+__all__ = ["BLOCK", "INT4_MAPS", "Int4Rows", "quantize", "dequantize", "record_dtype"]
 
-BLOCK = 128  # values sharing one scale
-_SLAB_VALUES = 1 << 16  # values of a slab of rows on the CPU path
-
-
-def _table(signed):
-    """(ascending float32 values, index of 0) of a 4-bit logarithmic map."""
-    if signed:
-        mags = 2.0 ** (-np.arange(7, dtype=np.float64) / 2)
-        return np.concatenate([-mags, [0.0], mags[::-1]]).astype(np.float32), 7
-    return np.concatenate([[0.0], (2.0 ** (-np.arange(15, dtype=np.float64) / 2))[::-1]]) \
-        .astype(np.float32), 0
-
+_SLAB_VALUES = 1 << 17  # values of a slab of rows on the CPU path (fewer numpy calls a value)
 
 INT4_MAPS = {"int4_log": _Map("int4_log", *_table(True), "uint8"),
              "uint4_log": _Map("uint4_log", *_table(False), "uint8")}
-assert tuple(INT4_MAPS) == INT4_MAP_NAMES  # `first`: the index of 0 in the table
+assert tuple(INT4_MAP_NAMES) == tuple(INT4_MAPS)  # `first`: the index of 0 in the table
 
-
-def _by_nibble(m):
-    """The map's values indexed by a stored nibble (16; the signed map's unused nibble 8: 0)."""
-    values = np.zeros(16, np.float32)
-    values[(np.arange(len(m.table)) - m.first) % 16] = m.table
-    return values
-
-
-_NIBBLE_VALUES = {name: _by_nibble(m) for name, m in INT4_MAPS.items()}
+_ROWS = {name: _rows(m.table, m.first) for name, m in INT4_MAPS.items()}
+_PAIRS = {name: pair_values(m.table, m.first) for name, m in INT4_MAPS.items()}
+_PAIRS64 = {name: p.view(np.uint64).reshape(-1) for name, p in _PAIRS.items()}
+_SMALLEST = {name: (int(m.table[m.first + 1].view(np.int32)),
+                    len(m.table) - 1 - m.first) for name, m in INT4_MAPS.items()}
 _CONSTS = {}  # tensors made once per device
 
 
-def _nibble_values(name, place):
-    key = (name, str(place))
+def _const(key, place, make):
+    key = (key, str(place))
     if key not in _CONSTS:
-        _CONSTS[key] = paddle.to_tensor(_NIBBLE_VALUES[name], place=place)
+        _CONSTS[key] = make()
     return _CONSTS[key]
 
 
-def blocks(width):
-    """Scales of a row of `width` values."""
-    return -(-int(width) // BLOCK)
+def _on_device(name, what, place):
+    """The map's `rows` (what="rows") or `pair_values` ("pairs") as a tensor on `place`."""
+    src = (_ROWS if what == "rows" else _PAIRS)[name]
+    return _const((name, what), place, lambda: paddle.to_tensor(src, place=place))
 
 
 def record_dtype(name, width):
     """The numpy dtype of one stored row in a checkpoint: its scales and its `width / 2` bytes."""
     return np.dtype([("scale", "<f4", (blocks(width),)), ("codes", "u1", (int(width) // 2,))])
-
-
-def _consts(place):
-    """0-d uint8 constants 0 … 15 on `place`, made once."""
-    key = ("consts", str(place))
-    if key not in _CONSTS:
-        _CONSTS[key] = {v: paddle.full([], v, "uint8").to(place) for v in range(16)}
-    return _CONSTS[key]
-
-
-def pack(index, zero):
-    """uint8 `[..., d/2]` bytes of table indices `index` (`[..., d]`, integers) whose 0 is at
-    `zero`: element 2j in the low nibble of byte j, 2j + 1 in the high one."""
-    if isinstance(index, np.ndarray):
-        c = (index + (16 - zero)).astype(np.uint8) & np.uint8(15)
-        return c[..., 0::2] | (c[..., 1::2] << np.uint8(4))
-    k = _consts(index.place)
-    c = (index + (16 - zero) if zero else index).astype("uint8")
-    c = paddle.bitwise_and(c, k[15])  # (index − zero) modulo 16
-    c = c.reshape(c.shape[:-1] + [c.shape[-1] // 2, 2])
-    return paddle.bitwise_or(c[..., 0], paddle.bitwise_left_shift(c[..., 1], k[4]))
-
-
-def unpack(codes, zero):
-    """int64 `[..., 2m]` table indices of uint8 bytes `codes` (`[..., m]`), `pack` undone."""
-    if isinstance(codes, np.ndarray):
-        c = np.stack([codes & np.uint8(15), codes >> np.uint8(4)], axis=-1)
-        c = c.reshape(codes.shape[:-1] + (2 * codes.shape[-1],))
-        return (c + np.uint8(zero)) & np.uint8(15) if zero else c
-    k = _consts(codes.place)
-    c = paddle.stack([paddle.bitwise_and(codes, k[15]),
-                      paddle.bitwise_right_shift(codes, k[4])], axis=-1)
-    c = c.reshape(codes.shape[:-1] + [2 * codes.shape[-1]])
-    if zero:
-        c = paddle.bitwise_and(c + k[zero], k[15])
-    return c.astype("int64")
 
 
 def _on_cpu(*tensors):
@@ -127,45 +83,32 @@ def _on_cpu(*tensors):
 
 def dequantize(codes, scale, name):
     """float32 values `[..., 2m]` of bytes `codes` (`[..., m]`) with `scale` (`[..., blocks]`)
-    under map `name` (the map's values looked up by stored nibble)."""
-    by_nibble = _NIBBLE_VALUES[name]
+    under map `name`: each byte's two values from a 256-entry table, times their scale."""
     width = 2 * codes.shape[-1]
     if _on_cpu(codes, scale):
         out = paddle.empty(codes.shape[:-1] + [width], "float32")
         c, s, o = (as_numpy(t).reshape(-1, t.shape[-1]) for t in (codes, scale, out))
 
-        def rows(lo, hi):
-            v = _blocked(np.take(by_nibble, unpack(c[lo:hi], 0)))
-            o[lo:hi] = _unblocked(v * s[lo:hi, :, None], width)
-        run_rows(rows, c.shape[0], max(1, _SLAB_VALUES // max(1, width)))
+        def slab(lo, hi):
+            dequantize_rows(c[lo:hi], s[lo:hi], o[lo:hi], _PAIRS64[name])
+        run_rows(slab, c.shape[0], max(1, _SLAB_VALUES // max(1, width)))
         return out
-    values = paddle.gather(_nibble_values(name, codes.place), unpack(codes, 0).reshape([-1]))
-    values = _blocked(values.reshape(codes.shape[:-1] + [width]))
-    return _unblocked(values.multiply_(scale.unsqueeze(-1)), width)
+    lead = codes.shape[:-1]
+    values = F.embedding(codes.astype("int64"), _on_device(name, "pairs", codes.place))
+    if width % BLOCK == 0:  # [..., m, 2] as blocks
+        values = values.reshape(lead + [width // BLOCK, BLOCK])
+        return values.multiply_(scale.unsqueeze(-1)).reshape(lead + [width])
+    per_value = paddle.repeat_interleave(scale, BLOCK, axis=-1)[..., :width]
+    return values.reshape(lead + [width]).multiply_(per_value)
 
 
 def _blocked(v):
-    """Rows `v` (`[..., d]`, numpy or Paddle) as `[..., blocks(d), BLOCK]`, the last block
-    padded with zeros."""
-    d = v.shape[-1]
-    lead = list(v.shape[:-1])
+    """Rows `v` (`[..., d]`) as `[..., blocks(d), BLOCK]`, the last block padded with zeros."""
+    d, lead = v.shape[-1], list(v.shape[:-1])
     pad = blocks(d) * BLOCK - d
-    if isinstance(v, np.ndarray):
-        if pad:
-            v = np.concatenate([v, np.zeros(tuple(lead) + (pad,), v.dtype)], -1)
-        return v.reshape(tuple(lead) + (blocks(d), BLOCK))
     if pad:
         v = paddle.concat([v, paddle.zeros(lead + [pad], v.dtype)], -1)
     return v.reshape(lead + [blocks(d), BLOCK])
-
-
-def _unblocked(v, d):
-    """`_blocked` undone: `[..., nb, BLOCK]` as rows of `d` values."""
-    lead = list(v.shape[:-2])
-    if isinstance(v, np.ndarray):
-        return v.reshape(tuple(lead) + (-1,))[..., :d]
-    v = v.reshape(lead + [v.shape[-2] * BLOCK])
-    return v if v.shape[-1] == d else v[..., :d]
 
 
 def quantize(x, name, noise=None):
@@ -176,81 +119,43 @@ def quantize(x, name, noise=None):
         raise TypeError(f"quantize expects float32 values, got {x.dtype}")
     if x.shape[-1] % 2:
         raise ValueError(f"4-bit rows need an even width, got {x.shape[-1]}")
-    m = INT4_MAPS[name]
     if _on_cpu(x) and (noise is None or _on_cpu(noise)):
-        return _quantize_numpy(x, m, noise)
-    d = x.shape[-1]
+        return _quantize_numpy(x, name, noise)
+    d, lead = x.shape[-1], list(x.shape[:-1])
     xb = _blocked(x)
-    absmax = paddle.max(paddle.abs(xb), axis=-1)
-    finite = paddle.isfinite(absmax)
-    safe = paddle.where(paddle.logical_and(finite, absmax > 0), absmax, paddle.ones_like(absmax))
-    y = xb / safe.unsqueeze(-1)  # in [-1, 1]; blocks of zeros stay zeros
-    y = paddle.where(finite.unsqueeze(-1), y, paddle.zeros_like(y))
-    scale = paddle.where(finite, absmax, paddle.full_like(absmax, float("nan")))
-    table = m.table_on(x.place)
-    hi = paddle.searchsorted(table, y, right=True).clip_(1, table.shape[0] - 1)
-    lo = hi - 1
-    low = paddle.gather(table, lo.reshape([-1])).reshape(y.shape)
-    high = paddle.gather(table, hi.reshape([-1])).reshape(y.shape)
+    absmax = paddle.max(paddle.abs(xb), axis=-1, keepdim=True)
+    y = xb / absmax  # in [-1, 1]; NaN in blocks of zeros and non-finite blocks
+    nan = _const("nan", x.place, lambda: paddle.full([], float("nan"), "float32").to(x.place))
+    scale = paddle.where(paddle.isfinite(absmax), absmax, nan).reshape(lead + [blocks(d)])
+    # the bracket's row by the count of table values <= y (NaN counts them all: row n)
+    low, high, den, c_low, c_high = paddle.unbind(F.embedding(
+        paddle.searchsorted(INT4_MAPS[name].table_on(x.place), y, right=True),
+        _on_device(name, "rows", x.place)), axis=-1)
     if noise is None:
         up = (y - low) > (high - y)
     else:
-        up = _blocked(noise) < (y - low) / (high - low)
-    index = lo + up.astype(lo.dtype)
-    if m.table[0] == 0:  # non-negative map: a positive value is never stored as 0
-        index = paddle.where(paddle.logical_and(index == 0, y > 0), paddle.ones_like(index), index)
-    return pack(_unblocked(index, d), m.first), scale
+        up = _blocked(noise) < (y - low) / den
+    c = paddle.where(up, c_high, c_low)  # nibbles as float32
+    c = c.reshape(lead + [-1])[..., :d] if blocks(d) * BLOCK != d else c
+    weights = _const("pack", x.place, lambda: paddle.to_tensor([1.0, 16.0], place=x.place))
+    return paddle.matmul(c.reshape(lead + [d // 2, 2]), weights).astype("uint8"), scale
 
 
-_SQRT2_MANTISSA = int(np.float32(np.sqrt(2.0)).view(np.int32)) & 0x7FFFFF
-
-
-def _count_at_most(m, y):
-    """`np.searchsorted(m.table, y, side="right")` (the number of the map's values <= y, for y
-    in [-1, 1]) from y's float32 bits, without a search: the magnitudes 2^(-k/2) are 1 and
-    float32(√2) times powers of two, so a magnitude's half-octave 2·exponent + (mantissa >= √2's)
-    counts them exactly (4 times faster than numpy's search over 16 values)."""
-    nm = len(m.table) - 1 - m.first  # the positive values
-    a = np.abs(y)
-    bits = a.view(np.int32)
-    mantissa = bits & 0x7FFFFF
-    half = 2 * (bits >> 23) + (mantissa >= _SQRT2_MANTISSA)  # 254 at 1.0, one less a value
-    at_most = np.clip(half - (254 - nm), 0, nm)  # positive values <= |y|
-    if not m.first:
-        return at_most + 1
-    exact = ((mantissa == 0) | (mantissa == _SQRT2_MANTISSA)) & (half > 254 - nm)
-    return np.where(y >= 0, nm + 1 + at_most, nm - at_most + exact)
-
-
-def _quantize_numpy(x, m, noise):
-    """`quantize` on CPU tensors: the same operations in numpy, a slab of rows at a time."""
+def _quantize_numpy(x, name, noise):
+    """`quantize` on CPU tensors: `plsc.quantized4_tables.quantize_rows`, a slab of rows at a
+    time."""
     d, nb = x.shape[-1], blocks(x.shape[-1])
     codes = paddle.empty(x.shape[:-1] + [d // 2], "uint8")
     scale = paddle.empty(x.shape[:-1] + [nb], "float32")
     a = as_numpy(x).reshape(-1, d)
     u = None if noise is None else as_numpy(noise).reshape(-1, d)
     c, s = as_numpy(codes).reshape(-1, d // 2), as_numpy(scale).reshape(-1, nb)
-    t = m.table
+    signed = INT4_MAPS[name].first != 0
 
-    def rows(lo, hi):
-        xb = _blocked(a[lo:hi])
-        absmax = np.max(np.abs(xb), axis=-1)
-        finite = np.isfinite(absmax)
-        safe = np.where(finite & (absmax > 0), absmax, np.float32(1))
-        y = xb / safe[..., None]
-        y[~finite] = 0
-        s[lo:hi] = np.where(finite, absmax, np.float32(np.nan))
-        hi_ = np.clip(_count_at_most(m, y), 1, len(t) - 1)
-        low, high = t[hi_ - 1], t[hi_]
-        if u is None:
-            up = (y - low) > (high - y)
-        else:
-            up = _blocked(u[lo:hi]) < (y - low) / (high - low)
-        index = hi_ - 1 + up
-        if t[0] == 0:  # non-negative map: a positive value is never stored as 0
-            index[(index == 0) & (y > 0)] = 1
-        c[lo:hi] = pack(_unblocked(index, d), m.first)
-    run_rows(rows, a.shape[0], max(1, _SLAB_VALUES // max(1, d)))
+    def slab(lo, hi):
+        quantize_rows(a[lo:hi], None if u is None else u[lo:hi], c[lo:hi], s[lo:hi], signed,
+                      _SMALLEST[name])
+    run_rows(slab, a.shape[0], max(1, _SLAB_VALUES // max(1, d)))
     return codes, scale
 
 

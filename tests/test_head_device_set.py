@@ -19,6 +19,7 @@ from scripts import load
 
 launches = load("benchmarks/benchmark_launches.py")
 count_ops = launches.count_ops
+step_counts = launches.step_counts
 
 # The two sets compute the same float32 operations in a different order (numpy/MKL row
 # reductions in slabs of rows vs Paddle's reductions; MKL's vsExp vs Paddle's exp, both within
@@ -169,6 +170,21 @@ def test_no_numpy_kernel_runs_on_the_device_set(monkeypatch):
             head.row_update = opt.fused_update(head)
             head(x, paddle.randint(0, 300, [8])).backward()
             opt.end_fused_step(head)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_4_bit_state_adds_at_most_20_ops_to_the_8_bit_step(opt, monkeypatch):
+    """Issue 47: a step with int8 centres and 4-bit state (the update inside the backward)
+    launches at most 20 ops more than the same step with 8-bit state, Partial FC at two class
+    counts (the difference flat) and dense; d = 256, two blocks a row, as at d = 512."""
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device")
+    diffs = []
+    for head, classes in (("pfc0.1", 2_000), ("pfc0.1", 6_000), ("dense", 2_000)):
+        top = {dtype: step_counts(head, dtype, opt, classes, d=256, batch=16,
+                                  check_inputs="labels")["step"]["top"]
+               for dtype in ("int8", "int8+int4")}
+        diffs.append(top["int8+int4"] - top["int8"])
+    assert max(diffs) <= 20 and diffs[0] == diffs[1], diffs
 
 
 def test_wide_narrow_weight_is_read_a_slab_at_a_time(monkeypatch):

@@ -2,8 +2,8 @@
 numpy oracle written here from the module's definition (tables, nibble order, two's
 complement codes), their error bounds, unbiased stochastic writes, rows independent, the
 optimizers with 4-bit state against numpy steps on the stored state, the fused update equal
-to the separate one, checkpoints (records, checksums, resume bit for bit). Every test on both
-kernel sets."""
+to the separate one (checkpoints: test_quantized4_checkpoint.py). Every test on both kernel
+sets."""
 import numpy as np
 import paddle
 import pytest
@@ -13,7 +13,7 @@ from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
 from plsc.optim.rounding import uniform_noise
 from plsc.quantized4 import Int4Rows, dequantize, quantize
-from plsc.storage import name as storage_name, read as rows_f32
+from plsc.storage import name as storage_name
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
@@ -180,31 +180,53 @@ def test_writes_touch_only_their_rows_and_each_row_alone(name):
                                   got[index[[0, 2, 3]]])
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_cpu_bracket_count_is_numpys_searchsorted(name):
-    """The CPU set counts the map's values <= y from y's bits; numpy's search agrees on every
-    table value, its float32 neighbours, zeros of both signs, subnormals and random values."""
-    from plsc.quantized4 import INT4_MAPS, _count_at_most
+def special_rows(name, d=2 * B):
+    """Rows of every table value times a scale, their float32 neighbours, zeros of both signs
+    and subnormals, in shuffled order, each block holding its largest value 1 (× scale)."""
     t = table(name)
-    rng = np.random.RandomState(1)
-    r = rng.uniform(-1, 1, 20000) * np.exp(rng.uniform(-30, 0, 20000))
-    y = np.concatenate([t, np.nextafter(t, 2), np.nextafter(t, -2), r, [0, -0.0, 1e-45, -1e-45]])
-    y = np.clip(y.astype(np.float32), -1, 1)
-    y = np.abs(y) if name == "uint4_log" else y
-    np.testing.assert_array_equal(_count_at_most(INT4_MAPS[name], y),
-                                  np.searchsorted(t, y, side="right"))
+    v = np.concatenate([t, np.nextafter(t, 2), np.nextafter(t, -2),
+                        [0, -0.0, 1e-45, -1e-45, 1e-40, -1e-40]]).astype(np.float32)
+    v = np.clip(v, 0 if name == "uint4_log" else -1, 1)
+    rng = np.random.RandomState(4)
+    out = []
+    for s in (1.0, 0.5, 3.0, 2.0 ** -20):
+        row = rng.permutation(np.resize(v, d))
+        row[::B] = 1.0
+        out.append(row * np.float32(s))
+    return np.stack(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_table_values_and_their_neighbours_match_the_oracle(name):
+    """The brackets from the bits (CPU set) and from the table (device set) on the values
+    where they could differ: the table's own values (a negative one is the top of the bracket
+    below it on the CPU, the bottom of the one above on the device), their neighbours, ±0 and
+    subnormals, nearest and stochastic."""
+    x = special_rows(name)
+    u = uniform_noise(paddle.arange(x.shape[0], dtype="int64"), x.shape[1], seed=5)
+    for noise in (None, u):
+        codes, scale = quantize(paddle.to_tensor(x), name, noise)
+        np.testing.assert_array_equal(scale.numpy(), oracle_scales(x))
+        want, edge = oracle_index(x, name, None if noise is None else u.numpy())
+        got = oracle_unpack(codes.numpy(), name)
+        np.testing.assert_array_equal(got[~edge], want[~edge])
+        exact = np.isin(x / per_value(scale.numpy(), x.shape[1]), table(name))
+        assert not edge[exact].any() and exact.sum() > 40
 
 
 def test_the_kernel_sets_give_the_same_bits(monkeypatch):
     """The numpy kernels (CPU set) and the Paddle ops (device set) store the same bytes and
-    scales and read the same values, for both maps, nearest and stochastic."""
+    scales and read the same values, for both maps, nearest and stochastic: random rows, table
+    values and their neighbours, a width not a multiple of the block, non-finite blocks."""
     from plsc.cpu_kernels import KERNELS_ENV
     out = {}
     for ks in ("auto", "device"):
         monkeypatch.setenv(KERNELS_ENV, ks)
         for name in NAMES:
             x = rows(n=40, d=2 * B + 2, seed=5, positive=name == "uint4_log")
-            u = uniform_noise(paddle.arange(40, dtype="int64"), x.shape[1], seed=9)
+            x = np.concatenate([x, special_rows(name, 2 * B + 2)])
+            x[41, 3], x[42, B + 1] = np.inf, np.nan  # non-finite blocks: NaN scales, codes 0
+            u = uniform_noise(paddle.arange(44, dtype="int64"), x.shape[1], seed=9)
             for noise in (None, u):
                 c, s = quantize(paddle.to_tensor(x), name, noise)
                 out[ks, name, noise is None] = (c.numpy(), s.numpy(),
@@ -212,6 +234,8 @@ def test_the_kernel_sets_give_the_same_bits(monkeypatch):
     for key in [k for k in out if k[0] == "auto"]:
         for a, b in zip(out[key], out[("device",) + key[1:]]):
             np.testing.assert_array_equal(a, b, err_msg=str(key))
+        codes, scale = out[key][:2]
+        assert np.isnan(scale[41, 0]) and np.isnan(scale[42, 1]) and not (codes[41, :B // 2]).any()
 
 
 # ---------------------------------------------------------------- the optimizers
@@ -372,115 +396,3 @@ def test_fused_update_equals_separate_and_writes_4_bit_state(opt_cls, sub_center
         a = state[f"weight.{key}"]
         assert isinstance(a, Int4Rows) and a.shape == list(fused_head.weight.shape)
         assert (a.scale.numpy() > 0).any()
-
-
-@pytest.mark.parametrize("opt_cls", [SparseMomentum, SparseAdamW])
-def test_checkpoint_round_trip_and_resume_are_bit_identical(opt_cls, tmp_path, monkeypatch):
-    """Two steps, a checkpoint (records of scales and bytes, streamed in slabs, checksummed),
-    a load into fresh arrays, two more steps: the bits of the uninterrupted four steps. The
-    records hold the arrays' scales and bytes as they are; a flipped byte is caught."""
-    import plsc.checkpoint as ckpt
-    import plsc.checkpoint.head_arrays as store
-    monkeypatch.setattr(store, "_SLAB_BYTES", 7 * (B + 8))  # slabs of a few records
-    whole = _bits(*_partial_fc_run(opt_cls, True, (0, 4)))
-    head, opt = _partial_fc_run(opt_cls, True, (0, 2))
-    arrays = {f"opt.{k}": v for k, v in opt.state_dict().items() if k != "step_count"}
-    path = ckpt.CheckpointManager(str(tmp_path)).save(
-        2, {"num_classes": 60, "head_arrays": sorted(arrays)}, {"w": paddle.zeros([1])},
-        {"lr": paddle.zeros([1])}, arrays)
-    meta = ckpt.read_meta(path)
-    for key, a in arrays.items():
-        if not isinstance(a, Int4Rows):
-            continue
-        assert meta["head_dtypes"][key] == storage_name(a)
-        rec = np.load(f"{path}/head_rank0/{key}.npy")
-        assert rec.dtype.names == ("scale", "codes") and rec.shape == (60,)
-        np.testing.assert_array_equal(rec["codes"], a.codes.numpy())
-        np.testing.assert_array_equal(rec["scale"], a.scale.numpy())
-    ckpt.verify_checkpoint(path)
-    loaded = {}
-    for key, a in arrays.items():
-        fresh = Int4Rows.zeros(a.shape, storage_name(a)) if isinstance(a, Int4Rows) else \
-            paddle.zeros(a.shape, "float32")
-        loaded[key[len("opt."):]] = ckpt.load_head_rows_into(path, key, 0, fresh)
-    loaded["step_count"] = opt.state_dict()["step_count"].numpy()
-    w = (head.weight.codes.numpy(), head.weight.scale.numpy(), head.sample_step.numpy())
-    resumed = _bits(*_partial_fc_run(opt_cls, True, (2, 4), state=(w, loaded)))
-    _assert_same(whole, resumed)
-    other = _bits(*_partial_fc_run(opt_cls, True, (0, 4), seed=3))  # another seed: other bits
-    assert not np.array_equal(other["w.codes"], whole["w.codes"])
-    key = next(k for k, a in arrays.items() if isinstance(a, Int4Rows))
-    with open(f"{path}/head_rank0/{key}.npy", "r+b") as f:  # one code byte flipped
-        f.seek(-3, 2)
-        byte = f.read(1)
-        f.seek(-3, 2)
-        f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(ckpt.CheckpointDamaged, match=key):
-        ckpt.verify_checkpoint(path)
-
-
-def test_options_and_loads_across_dtypes(tmp_path):
-    """state_dtype "int4" gives 4-bit state with float32 centres too; a 4-bit checkpoint array
-    loads into float32 as its values."""
-    import plsc.checkpoint as ckpt
-    opt = SparseMomentum(0.1, state_dtype="int4")
-    state = opt.init_state(PartialFC(2 * B, 20, param_dtype="float32"))
-    assert isinstance(state["weight.velocity"], Int4Rows)
-    with pytest.raises(ValueError, match="int4"):
-        SparseMomentum(0.1, state_dtype="int2")
-    x = rows(n=20, d=2 * B)
-    a = Int4Rows.from_float(paddle.to_tensor(x))
-    path = ckpt.CheckpointManager(str(tmp_path)).save(
-        1, {"num_classes": 20, "head_arrays": ["opt.weight.velocity"]}, {"w": paddle.zeros([1])},
-        {"lr": paddle.zeros([1])}, {"opt.weight.velocity": a})
-    f32 = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, paddle.zeros([20, 2 * B]))
-    np.testing.assert_array_equal(f32.numpy(), values_of(a.codes.numpy(), a.scale.numpy(),
-                                                         "int4_log", 2 * B).astype(np.float32))
-
-
-def oracle_records(x, name):
-    """How a checkpoint stores float32 rows `x` as 4-bit map `name` (nearest), from this
-    file's oracle: records of (block scales, bytes with element 2j in the low nibble)."""
-    index, edge = oracle_index(x, name)
-    assert not edge.any()
-    nib = (index - (7 if name == "int4_log" else 0)) % 16
-    out = np.empty(x.shape[0], [("scale", "<f4", (-(-x.shape[1] // B),)),
-                                ("codes", "u1", (x.shape[1] // 2,))])
-    out["scale"], out["codes"] = oracle_scales(x), nib[:, 0::2] | (nib[:, 1::2] << 4)
-    return out
-
-
-def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
-    """A 4-bit checkpoint of 2 ranks re-sharded for 3 keeps every record bit for bit and loads
-    into 4-bit rows as stored; float32 and int8 checkpoints load into 4-bit rows quantised to
-    nearest from their values (this file's oracle)."""
-    import plsc.checkpoint as ckpt
-    import plsc.checkpoint.head_arrays as store
-    from plsc.distributed import ClassPartition
-    from plsc.quantized import Int8Rows
-    from dtypes.test_checkpoint import C, write_checkpoint
-    d = 2 * B + 4
-    monkeypatch.setattr(store, "_SLAB_BYTES", 2 * (12 + d // 2))  # slabs of 2 records
-    x = rows(n=C, d=d, seed=8)
-    rec = oracle_records(x, "int4_log")
-    src = write_checkpoint(tmp_path / "ck", {"opt.weight.velocity": ("int4_log", rec)}, 2)
-    dst = ckpt.reshard_checkpoint(src, str(tmp_path / "three"), 3)
-    assert ckpt.read_meta(dst)["head_dtypes"] == {"opt.weight.velocity": "int4_log"}
-    parts = [np.load(f"{dst}/head_rank{r}/opt.weight.velocity.npy") for r in range(3)]
-    assert np.concatenate(parts).tobytes() == rec.tobytes()
-    part = ClassPartition(C, 3)
-    for r in range(3):
-        lo, n = part.class_start(r), part.num_local(r)
-        mine = ckpt.load_head_rows_into(dst, "opt.weight.velocity", lo, Int4Rows.zeros([n, d]))
-        np.testing.assert_array_equal(mine.codes.numpy(), rec["codes"][lo:lo + n])
-        np.testing.assert_array_equal(mine.scale.numpy(), rec["scale"][lo:lo + n])
-    v8 = Int8Rows.from_float(paddle.to_tensor(x))
-    as_f32 = rows_f32(v8).numpy()
-    int8_rec = np.empty(C, [("scale", "<f4"), ("codes", "i1", (d,))])
-    int8_rec["scale"], int8_rec["codes"] = v8.scale.numpy(), v8.codes.numpy()
-    for kind, stored_rows, values in (("float32", x, x), ("int8", int8_rec, as_f32)):
-        path = write_checkpoint(tmp_path / kind, {"opt.weight.velocity": (kind, stored_rows)}, 2)
-        mine = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, Int4Rows.zeros([C, d]))
-        want = oracle_records(values, "int4_log")
-        np.testing.assert_array_equal(mine.codes.numpy(), want["codes"], err_msg=kind)
-        np.testing.assert_array_equal(mine.scale.numpy(), want["scale"], err_msg=kind)
