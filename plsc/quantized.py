@@ -263,6 +263,11 @@ class Int8Rows:
         """Rows [start, stop) as float32."""
         return dequantize(self.codes[start:stop], self.scale[start:stop], self.map.name)
 
+    def subset(self, index):
+        """Rows `index` (int64 `[k]`) as a new array of this storage (codes and scales)."""
+        return type(self)(_take(self.codes, index), paddle.gather(self.scale, index),
+                          self.map.name)
+
     def take(self, index):
         """Rows `index` (int64 `[k]`) as float32."""
         return dequantize(_take(self.codes, index), paddle.gather(self.scale, index),

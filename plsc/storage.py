@@ -27,7 +27,7 @@ from .quantized import Int8Rows
 from .quantized4 import Int4Rows
 
 __all__ = ["HEAD_DTYPES", "STATE_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "name",
-           "is_float32", "has_autograd", "zeros", "read", "take", "put", "nbytes",
+           "is_float32", "has_autograd", "zeros", "read", "take", "take_stored", "put", "nbytes",
            "slab_rows", "kept", "value_parts", "as_array", "row_ids", "gather_rows", "all_rows_finite"]
 
 
@@ -76,6 +76,12 @@ def take(t, index):
     if isinstance(t, Int8Rows):
         return t.take(index)
     return to_float32(gather_rows(t, index))
+
+
+def take_stored(t, index):
+    """Rows `index` of `t` in `t`'s own storage (8 and 4 bits: their codes and scales), no
+    float32 copy."""
+    return t.subset(index) if isinstance(t, Int8Rows) else gather_rows(t, index)
 
 
 def gather_rows(t, index):

@@ -201,11 +201,11 @@ def test_fused_update_equals_separate(ratio, chunk, dtype):
     assert not fused_failures(result), fused_failures(result)
 
 
-@pytest.mark.parametrize("chunk,widths", [(0, [23]), (7, [7, 2])])
-def test_memory_is_one_bool_mask_per_block_width(chunk, widths):
-    """With filtering on, the head's step buffers grow by one `[N, width]` bool mask per block
-    width (kept between steps, like the logits): N·23 bytes dense, N·(7 + 2) bytes in blocks of
-    7 (23 = 3·7 + 2), nothing else."""
+@pytest.mark.parametrize("chunk,widths", [(0, [23]), (7, [7])])
+def test_memory_is_one_bool_mask_of_the_widest_block(chunk, widths):
+    """With filtering on, the head's step buffers grow by one `[N, width]` bool mask of the
+    widest block (kept between steps, like the logits; the last block of 2 borrows it): N·23
+    bytes dense, N·7 bytes in blocks of 7 (23 = 3·7 + 2), nothing else."""
     n = 12
     sizes = {}
     for t in (0.0, FILTER_THRESHOLD):

@@ -56,7 +56,10 @@ from .softmax_stages import (_gather, _gather_grad, _logits, _logits_grad, _loss
 __all__ = ["parallel_softmax_cross_entropy", "filter_bound", "put_along_", "as_numpy"]
 
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
-_WGRAD_BLOCK_BYTES = 64 << 20  # a block's weight gradient up to this size is one GEMM
+# A block's weight gradient (and a 16- or 8-bit block's float32 rows) up to this size is one
+# GEMM: one 4,096-row slab at d = 512. Wider blocks go a slab at a time, so the step's fixed
+# buffers beside its logits are slabs, not blocks (docs/memory_and_benchmarks.md).
+_WGRAD_BLOCK_BYTES = 8 << 20
 # The device set's budget for the same (and for a narrow block's float32 rows): one slab of
 # `DEVICE_SLAB_BYTES` (256 MiB), so a Partial FC step's sampled rows are one slab.
 _DEVICE_WGRAD_BYTES = DEVICE_SLAB_BYTES
@@ -86,6 +89,7 @@ class _ParallelSoftmaxCE(PyLayer):
             _target_grad(step, block, buf)
             _logits_grad(step, block, buf, w, row_scale, d_x)
             del buf, w
+            block.inv_w = None
             _give_back(step, block.buffer, block.centre_buffer)
         d_b = _close_grads(step)
         d_x = _gather_grad(step, d_x)

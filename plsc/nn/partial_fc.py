@@ -38,7 +38,8 @@ class PartialFC(nn.Layer):
             `head.sampled_bias.grad`; the weight's gradient is written over the gathered
             rows, whose values are gone after the backward), and `plsc.optim.SparseMomentum` /
             `SparseAdamW` apply them to `head.weight` (a plain Paddle optimizer
-            would see no gradient on `head.weight`).
+            would see no gradient on `head.weight`). With `row_update` a 16- or 8-bit
+            weight's rows are gathered in their storage (no float32 copy, no gradient).
         seed: seed of the sampling draw, which depends on (seed, step, rank);
             the step counter `head.sample_step` is a buffer saved with the state.
         chunk_size: "auto" (default): the dense path while this rank's
@@ -180,7 +181,14 @@ class PartialFC(nn.Layer):
             self.sample_step.fill_(step + 1)
         # Gathered from a detached weight, so the gradient is [num_sample, d], never [num_local, d].
         self.sampled_index, self.sampled_rows = index, _rows_of(index, self.sub_centers)
-        self.sampled_weight = self._gather_rows("rows", self.weight, self.sampled_rows)
+        if self.row_update is not None and not storage.is_float32(self.weight):
+            # No gradient array to write over: the rows stay in their storage, read as float32
+            # a block at a time by the GEMMs (a quarter of float32's bytes for int8).
+            source = self.weight.detach() if storage.has_autograd(self.weight) else self.weight
+            self.sampled_weight = storage.take_stored(source, self.sampled_rows)
+            self.sampled_weight.stop_gradient = self.weight.stop_gradient
+        else:
+            self.sampled_weight = self._gather_rows("rows", self.weight, self.sampled_rows)
         self.sampled_bias = self._gather_rows("bias_rows", self.bias, index) \
             if self.bias is not None else None
         self._last_target = target
@@ -223,7 +231,7 @@ class PartialFC(nn.Layer):
         `sampled_index` with Partial FC, of every row otherwise."""
         if self.sampled_index is not None:
             rows = self.sampled_weight if name == "weight" else self.sampled_bias
-            return None if rows is None else rows.grad
+            return getattr(rows, "grad", None)  # (none for rows kept in their storage)
         if name in self._dense_grads:
             return self._dense_grads[name]
         param = self.weight if name == "weight" else self.bias

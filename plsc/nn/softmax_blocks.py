@@ -121,15 +121,15 @@ class _Block:
     def __init__(self, start, stop, local_target, sub_centers):
         self.start, self.stop = start, stop
         self.lo, self.hi = start * sub_centers, stop * sub_centers
-        self.buffer = f"logits[{stop - start}]"  # workspace names: one buffer per block width
-        self.centre_buffer = f"centres[{self.hi - self.lo}]"
-        self.mask_buffer = f"filtered[{stop - start}]"
+        # Workspace names: a narrower block (a shard's last) gets a view of the kept buffer.
+        self.buffer, self.centre_buffer, self.mask_buffer = "logits", "centres", "filtered"
         # inside: start <= target < stop, i.e. the column is unchanged by the clip
         offset = local_target - start if start else local_target
         col = paddle.clip(offset, 0, stop - start - 1)
         self.inside = col == offset
         self.col = col.unsqueeze(1)
         self.cos_t = self.pick = self.clamped = None
+        self.inv_w = None  # 1/|W_j| of its rows while its logits exist (chunked path)
 
     def take(self, buf):
         """`[N]` entries of `buf` at each row's target column."""
@@ -156,8 +156,8 @@ class _Step:
     `_SlabBudget`). The forward's: `cpu` (the kernel set is the CPU set), `n`
     (rows of the batch), `weight`, `bias`, `blocks`, `need_x` and `need_w` (which inputs want a
     gradient); the batch as the logits read it: `features` (plain logits) or `x_norm`, `x_hat`,
-    `x_scaled` = s·x̂ and `inv_w` = 1/|W| (cosines); `row_max`, `sum_exp` and, on the dense
-    path, `exp_logits` (the block's logits, then E = exp(logit − max)). While the backward
+    `x_scaled` = s·x̂ and, on the dense path, `inv_w` = 1/|W| (cosines); `row_max`, `sum_exp`
+    and, on the dense path, `exp_logits` (the block's logits, then E = exp(logit − max)). While the backward
     runs: `d_w` (the weight gradient's array), `sink` (where its rows go otherwise), `d_b`."""
 
     __slots__ = ("margin", "group", "chunk_size", "workspace", "grad_into_weight", "row_update",

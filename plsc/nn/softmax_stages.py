@@ -34,7 +34,7 @@ def _block_logits(step, block, w, bias):
         # cos = x̂·Ŵᵀ without an `Ŵ` copy: x̂ is pre-scaled by s, column j divided by |W_j|.
         name = block.buffer if step.sub_centers == 1 else block.centre_buffer
         cos = _matmul_rows(step.x_scaled, w, _lend(step, name, [step.n, block.hi - block.lo]))
-        scale_columns_(cos, _rows(step.inv_w, block.lo, block.hi))
+        scale_columns_(cos, _block_inv_w(step, block, w))
         logits = _class_max(step, block, cos)
         plain = block.take(logits)
         block.cos_t = plain / margin.scale
@@ -49,11 +49,24 @@ def _block_logits(step, block, w, bias):
     return logits, target_logit
 
 
+def _block_inv_w(step, block, w):
+    """1/|W_j| of the block's rows: a slice of the call's on the dense path; on the chunked
+    path computed from the block's float32 rows (`w`) when the block's logits are (forward and
+    backward) and dropped with them, so no `[C_local]` array lives through the step."""
+    if step.inv_w is not None:
+        return _rows(step.inv_w, block.lo, block.hi)
+    if block.inv_w is None:
+        parts = [1.0 / _row_norm(w.get(a, b)) for a, b in w.slabs()]
+        block.inv_w = parts[0] if len(parts) == 1 else paddle.concat(parts)
+    return block.inv_w
+
+
 # The forward's stages, in order: gather → logits → max → sum → target → loss.
 
 def _gather(step, features, weight, bias, local_target):
-    """Gather: the gathered batch as the logits read it (cosines: |x|, x̂, s·x̂, 1/|W| and the
-    margin for this batch), the blocks of classes, which inputs want a gradient."""
+    """Gather: the gathered batch as the logits read it (cosines: |x|, x̂, s·x̂, the margin for
+    this batch and, on the dense path, 1/|W|), the blocks of classes, which inputs want a
+    gradient."""
     step.n, step.weight, step.bias = features.shape[0], weight, bias
     step.cpu = cpu_set(features)  # the kernel set of this call (slab budgets)
     if step.margin.normalized:
@@ -61,11 +74,12 @@ def _gather(step, features, weight, bias, local_target):
         step.margin = step.margin.for_batch(step.x_norm)
         step.x_hat = features / step.x_norm.unsqueeze(1)
         step.x_scaled = step.x_hat * step.margin.scale
-        step.inv_w = _inv_row_norms(step, weight)
     else:
         step.features = features
     step.blocks = _blocks(local_target, weight.shape[0] // step.sub_centers, step.chunk_size,
                           step.sub_centers)
+    if step.margin.normalized and len(step.blocks) == 1:  # chunked: a block's at a time
+        step.inv_w = _inv_row_norms(step, weight)
     step.need_x, step.need_w = not features.stop_gradient, not weight.stop_gradient
     if step.need_w and not storage.has_autograd(weight) and step.row_update is None:
         raise ValueError("an 8-bit weight (Int8Rows) has no autograd gradient: give row_update, "
@@ -96,6 +110,7 @@ def _logits(step, dtype):
         run_sum = run_sum * paddle.exp(run_max - new_max) + block_sum
         run_max = new_max
         del logits, w
+        block.inv_w = None
         _give_back(step, block.buffer, block.centre_buffer, block.mask_buffer)
     return target_logit, run_max, run_sum
 
@@ -179,7 +194,7 @@ def _logits_grad(step, block, buf, w, row_scale, d_x):
         # dL/dcos = s·r·buf; cos = x̂·Ŵᵀ with Ŵ = W·diag(1/|W|): column j of buf is divided
         # by |W_j| before both GEMMs.
         buf = _to_centres(step, block, buf)
-        inv_w = _rows(step.inv_w, block.lo, block.hi)
+        inv_w = _block_inv_w(step, block, w)
         scale = row_scale * margin.scale
         rhs = step.x_hat * scale
     else:

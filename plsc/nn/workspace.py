@@ -8,11 +8,16 @@ existing tensor through `out=` (`matmul`, `index_select`), so the head keeps
 its largest buffers here and lends them to each step. On a GPU, Paddle's
 caching allocator already keeps freed blocks; lending changes nothing there.
 
+One buffer is kept per name, the largest asked for: a smaller request gets a view of its
+first elements (the last, narrower block of a shard borrows the full blocks' buffer), so what
+is kept is at most one buffer of each kind, whatever the widths.
+
 A buffer is lent to one owner at a time, until `give_back` or until the owner
 is garbage collected (a weak reference: e.g. the autograd context of a forward
 whose backward never ran). A request while it is lent returns None, and the
 caller allocates as usual, so two forwards before one backward stay correct.
 """
+import math
 import weakref
 
 import paddle
@@ -25,25 +30,29 @@ class Workspace:
 
     def __init__(self, enabled=True):
         self.enabled = bool(enabled)
-        self._buffers = {}  # name -> (tensor, (shape, dtype))
+        self._buffers = {}  # name -> (tensor, dtype)
         self._owners = {}  # name -> weak reference to the borrower
 
     def lend(self, name, shape, owner, dtype="float32"):
-        """A `shape` buffer of `dtype` for `owner` (contents undefined), or None when
-        disabled or already lent to a live owner."""
+        """A `shape` buffer of `dtype` for `owner` (contents undefined; a view of the kept
+        buffer's first elements when that is larger), or None when disabled or already lent
+        to a live owner."""
         if not self.enabled:
             return None
         ref = self._owners.get(name)
         if ref is not None and ref() is not None:
             return None
-        spec = (tuple(int(s) for s in shape), str(dtype))
+        shape = [int(s) for s in shape]
+        size = math.prod(shape)
         buf, kept = self._buffers.get(name, (None, None))
-        if kept != spec:
+        if kept != str(dtype) or buf.size < size:
             self._buffers.pop(name, None)  # free the old one before allocating the new
-            buf = paddle.empty(list(spec[0]), dtype=dtype)
-            self._buffers[name] = (buf, spec)
+            buf = paddle.empty(shape, dtype=dtype)
+            self._buffers[name] = (buf, str(dtype))
         self._owners[name] = weakref.ref(owner)
-        return buf
+        if list(buf.shape) == shape:
+            return buf
+        return buf.reshape([-1])[:size].reshape(shape)
 
     def give_back(self, name):
         self._owners.pop(name, None)

@@ -31,7 +31,7 @@ def fused_cases():
               ("momentum", "softmax", 101, 0.5, 7, "int8"),
               ("adamw", "arcface", 101, 0.5, 0, "int8")]
     # Enough classes that 4,096-class slabs split a block (dtypes/test_head.py forces the
-    # wide-block path for them: with D = 16 a block's gradient is far below the 64 MiB that
+    # wide-block path for them: with D = 16 a block's gradient is far below the 8 MiB that
     # takes it).
     cases += [("momentum", "arcface", 10000, 1.0, 0, "float32"),
               ("adamw", "softmax", 10000, 1.0, 6000, "float32"),
