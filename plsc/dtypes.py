@@ -17,7 +17,7 @@ __all__ = ["FLOAT_DTYPES", "INT8_MAP_NAMES", "INT4_MAP_NAMES", "HEAD_DTYPES", "S
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 INT8_MAP_NAMES = ("int8", "int8_log", "uint8_log")
-INT4_MAP_NAMES = ("int4_log", "uint4_log")
+INT4_MAP_NAMES = ("int4", "int4_log", "uint4_log")
 HEAD_DTYPES = FLOAT_DTYPES + ("int8",)
 STATE_DTYPES = HEAD_DTYPES + ("int4",)
 STORED_DTYPES = FLOAT_DTYPES + INT8_MAP_NAMES + INT4_MAP_NAMES

@@ -11,9 +11,12 @@ AdamW's first moment is 0.145 with one scale a row against 0.124 with 128-value 
 with 64, at twice the scales' 16 B/class).
 
 Maps (the storage dtype names, as checkpoints' `head_dtypes` spell them), chosen by the same
-measurement:
+measurement and by their write's cost:
+- "int4": signed, linear: k / 7 for k = -7 … 7 (15 codes), written as floor(7·y + noise) or
+  rounded, as the linear "int8" map is. SGD momentum: 5 % more error than "int4_log" (0.117
+  against 0.111), written in a few numpy passes where the logarithmic maps take some 30.
 - "int4_log": signed, logarithmic: 0 and ±2^(-k/2) for k = 0 … 6 (15 codes; relative steps of
-  41 % down to 1/8 of the block's largest value). SGD momentum and AdamW's first moment.
+  41 % down to 1/8 of the block's largest value). AdamW's first moment (linear: 18 % more error).
 - "uint4_log": non-negative, logarithmic: 0 and 2^(-k/2) for k = 0 … 14 (16 codes, down to
   2^-7). AdamW's second moment; a positive value is never stored as 0 (values below the
   smallest step are stored as it), so no update is divided by 0 + ε.
@@ -23,12 +26,14 @@ A code is a value's index in its map's ascending table minus the index of 0, kep
 low nibble of byte j, element 2j + 1 the high one.
 
 Writing (`quantize`) rounds to nearest or, with `noise` (uniform in [0, 1), one per value),
-stochastically as `plsc.quantized` does; a block with a NaN or an infinity gets a NaN scale
-(its codes are 0). The CPU kernel set runs numpy on the tensors' memory, a slab of rows per
-kernel thread, finding each value's bracket from its bits (`plsc.quantized4_tables`); the
-device set runs batched Paddle ops: the bracket's row of a small table by `searchsorted`, the
-zero-point rule and the clipping folded into that table, two nibbles a byte by one product
-with (1, 16), reads through a 256-entry table of byte pairs. The same IEEE operations, so the
+stochastically as `plsc.quantized` does (the logarithmic maps up where noise < the fraction of
+the bracket, the linear one where fraction + noise >= 1); a block with a NaN or an infinity
+gets a NaN scale (its codes are 0). The CPU kernel set runs numpy on the tensors' memory, a
+slab of rows per kernel thread, finding a logarithmic map's bracket from each value's bits
+(`plsc.quantized4_tables`); the device set runs batched Paddle ops: the bracket's row of a
+small table by `searchsorted`, the zero-point rule and the clipping folded into that table
+(the linear map: its formula), two nibbles a byte by one product with (1, 16), reads through
+a 256-entry table of byte pairs. The same IEEE operations, so the
 same bits (tested). Device ops at d = 512: 18 a write (19 with noise), 6 a read
 (docs/memory_and_benchmarks.md, "4-bit state").
 """
@@ -39,22 +44,24 @@ import paddle.nn.functional as F
 from .cpu_kernels import applies, as_numpy, cpu_set, run_rows
 from .dtypes import INT4_MAP_NAMES
 from .quantized import Int8Rows, _Map, _take
-from .quantized4_tables import BLOCK, blocks, dequantize_rows, pair_values, quantize_rows, \
-    rows as _rows, table as _table
+from .quantized4_tables import BLOCK, LEVELS, blocks, dequantize_rows, linear_table, \
+    pair_values, quantize_linear_rows, quantize_rows, rows as _rows, table as _table
 
 __all__ = ["BLOCK", "INT4_MAPS", "Int4Rows", "quantize", "dequantize", "record_dtype"]
 
 _SLAB_VALUES = 1 << 17  # values of a slab of rows on the CPU path (fewer numpy calls a value)
 
-INT4_MAPS = {"int4_log": _Map("int4_log", *_table(True), "uint8"),
+INT4_MAPS = {"int4": _Map("int4", *linear_table(), "uint8"),
+             "int4_log": _Map("int4_log", *_table(True), "uint8"),
              "uint4_log": _Map("uint4_log", *_table(False), "uint8")}
 assert tuple(INT4_MAP_NAMES) == tuple(INT4_MAPS)  # `first`: the index of 0 in the table
+_LINEAR = "int4"  # the one map written by a formula, not by brackets from a table
 
-_ROWS = {name: _rows(m.table, m.first) for name, m in INT4_MAPS.items()}
+_ROWS = {name: _rows(m.table, m.first) for name, m in INT4_MAPS.items() if name != _LINEAR}
 _PAIRS = {name: pair_values(m.table, m.first) for name, m in INT4_MAPS.items()}
 _PAIRS64 = {name: p.view(np.uint64).reshape(-1) for name, p in _PAIRS.items()}
 _SMALLEST = {name: (int(m.table[m.first + 1].view(np.int32)),
-                    len(m.table) - 1 - m.first) for name, m in INT4_MAPS.items()}
+                    len(m.table) - 1 - m.first) for name, m in INT4_MAPS.items() if name in _ROWS}
 _CONSTS = {}  # tensors made once per device
 
 
@@ -121,6 +128,8 @@ def quantize(x, name, noise=None):
         raise ValueError(f"4-bit rows need an even width, got {x.shape[-1]}")
     if _on_cpu(x) and (noise is None or _on_cpu(noise)):
         return _quantize_numpy(x, name, noise)
+    if name == _LINEAR:
+        return _quantize_linear(x, noise)
     d, lead = x.shape[-1], list(x.shape[:-1])
     xb = _blocked(x)
     absmax = paddle.max(paddle.abs(xb), axis=-1, keepdim=True)
@@ -136,9 +145,36 @@ def quantize(x, name, noise=None):
     else:
         up = _blocked(noise) < (y - low) / den
     c = paddle.where(up, c_high, c_low)  # nibbles as float32
+    return _pack(c, d, lead), scale
+
+
+def _quantize_linear(x, noise):
+    """The linear map on the device set: k = floor(LEVELS·y + noise) (nearest: round), at most
+    LEVELS, y = x / its block's scale (0 in blocks of zeros and non-finite blocks)."""
+    d, lead = x.shape[-1], list(x.shape[:-1])
+    xb = _blocked(x)
+    absmax = paddle.max(paddle.abs(xb), axis=-1, keepdim=True)
+    finite = paddle.isfinite(absmax)
+    one = _const("one", x.place, lambda: paddle.ones([], "float32").to(x.place))
+    y = xb / paddle.where(paddle.logical_and(finite, absmax > 0), absmax, one)
+    zero = _const("zero", x.place, lambda: paddle.zeros([], "float32").to(x.place))
+    y = paddle.where(finite, y, zero).scale_(float(LEVELS))
+    nan = _const("nan", x.place, lambda: paddle.full([], float("nan"), "float32").to(x.place))
+    scale = paddle.where(finite, absmax, nan).reshape(lead + [blocks(d)])
+    if noise is None:
+        k = y.round_()
+    else:
+        k = y.add_(_blocked(noise)).floor_().clip_(max=float(LEVELS))
+    sixteen = _const("16", x.place, lambda: paddle.full([], 16.0, "float32").to(x.place))
+    return _pack(paddle.remainder(k, sixteen), d, lead), scale  # two's complement nibbles
+
+
+def _pack(c, d, lead):
+    """Bytes `[..., d/2]` of nibbles `c` (float32 `[..., blocks, BLOCK]`): element 2j the low
+    nibble of byte j, 2j + 1 the high one, by one product with (1, 16)."""
     c = c.reshape(lead + [-1])[..., :d] if blocks(d) * BLOCK != d else c
-    weights = _const("pack", x.place, lambda: paddle.to_tensor([1.0, 16.0], place=x.place))
-    return paddle.matmul(c.reshape(lead + [d // 2, 2]), weights).astype("uint8"), scale
+    weights = _const("pack", c.place, lambda: paddle.to_tensor([1.0, 16.0], place=c.place))
+    return paddle.matmul(c.reshape(lead + [d // 2, 2]), weights).astype("uint8")
 
 
 def _quantize_numpy(x, name, noise):
@@ -153,6 +189,9 @@ def _quantize_numpy(x, name, noise):
     signed = INT4_MAPS[name].first != 0
 
     def slab(lo, hi):
+        if name == _LINEAR:
+            quantize_linear_rows(a[lo:hi], None if u is None else u[lo:hi], c[lo:hi], s[lo:hi])
+            return
         quantize_rows(a[lo:hi], None if u is None else u[lo:hi], c[lo:hi], s[lo:hi], signed,
                       _SMALLEST[name])
     run_rows(slab, a.shape[0], max(1, _SLAB_VALUES // max(1, d)))
@@ -164,7 +203,7 @@ class Int4Rows(Int8Rows):
     values (see the module docstring); reads and writes rows as `Int8Rows` does.
     `codes`: `[n, ..., d/2]` uint8, `scale`: `[n, ..., blocks(d)]` float32."""
 
-    def __init__(self, codes, scale, name="int4_log"):
+    def __init__(self, codes, scale, name="int4"):
         if name not in INT4_MAPS:
             raise ValueError(f"4-bit map must be one of {', '.join(INT4_MAPS)}, got {name!r}")
         width = 2 * codes.shape[-1]
@@ -175,7 +214,7 @@ class Int4Rows(Int8Rows):
         self.stop_gradient = False
 
     @classmethod
-    def zeros(cls, shape, name="int4_log"):
+    def zeros(cls, shape, name="int4"):
         shape = list(shape)
         if shape[-1] % 2:
             raise ValueError(f"4-bit rows need an even width, got shape {shape}")
@@ -183,7 +222,7 @@ class Int4Rows(Int8Rows):
                    paddle.zeros(shape[:-1] + [blocks(shape[-1])], dtype="float32"), name)
 
     @classmethod
-    def from_float(cls, x, name="int4_log", noise=None):
+    def from_float(cls, x, name="int4", noise=None):
         return cls(*quantize(x, name, noise), name)
 
     @property

@@ -1,22 +1,25 @@
 """The 4-bit maps' tables and their numpy kernels (the CPU kernel set of `plsc.quantized4`).
 
-A map's positive values are the half-octave boundaries 2^(-k/2), float32: 2^-j, and float32(√2)
-times 2^-j, whose bits are an exponent and the mantissa of √2 (`_SQRT2_MANTISSA`). So the
-bracket of |y| (the largest table magnitude l <= |y| and the next, h) is read off y's bits with
-integer operations: no search and no table lookup per value (numpy's fancy indexing costs
-about ten elementwise passes). The device set looks the same brackets up in `rows` by
-`paddle.searchsorted`; both then round with the same IEEE operations: nearest
-(y − low) > (high − y), stochastic noise < (y − low) / (high − low), low and high the signed
-bracket. A negative y equal to a table value takes the bracket below it here ((−h, −l], up
-with fraction 1) and the one above it on the device ([−l, ...), fraction 0): the same code.
+The linear map is written by its formula (`quantize_linear_rows`). A logarithmic map's positive
+values are the half-octave boundaries 2^(-k/2), float32: 2^-j, and float32(√2) times 2^-j,
+whose bits are an exponent and the mantissa of √2 (`_SQRT2_MANTISSA`). So the bracket of |y|
+(the largest table magnitude l <= |y| and the next, h) is read off y's bits with integer
+operations: no search and no table lookup per value (numpy's fancy indexing costs about ten
+elementwise passes). The device set looks the same brackets up in `rows` by
+`paddle.searchsorted`; both then round with the same IEEE operations: nearest (y − low) > (high
+− y), stochastic noise < (y − low) / (high − low), low and high the signed bracket. A negative
+y equal to a table value takes the bracket below it here ((−h, −l], up with fraction 1) and the
+one above it on the device ([−l, ...), fraction 0): the same code.
 """
 import threading
 
 import numpy as np
 
-__all__ = ["BLOCK", "blocks", "table", "rows", "pair_values", "quantize_rows", "dequantize_rows"]
+__all__ = ["BLOCK", "LEVELS", "blocks", "table", "linear_table", "rows", "pair_values",
+           "quantize_rows", "quantize_linear_rows", "dequantize_rows"]
 
 BLOCK = 128  # values sharing one scale
+LEVELS = 7  # the linear map's codes -LEVELS … LEVELS, value code / LEVELS
 _SQRT2_MANTISSA = int(np.float32(np.sqrt(2.0)).view(np.int32)) & 0x7FFFFF
 _EXPONENT = 0x7F800000
 
@@ -33,6 +36,11 @@ def table(signed):
         return np.concatenate([-mags, [0.0], mags[::-1]]).astype(np.float32), 7
     return np.concatenate([[0.0], (2.0 ** (-np.arange(15, dtype=np.float64) / 2))[::-1]]) \
         .astype(np.float32), 0
+
+
+def linear_table():
+    """(ascending float32 values, index of 0) of the linear 4-bit map: k / LEVELS."""
+    return (np.arange(-LEVELS, LEVELS + 1, dtype=np.float64) / LEVELS).astype(np.float32), LEVELS
 
 
 def _nibble(index, first):
@@ -177,6 +185,36 @@ def _signed_parts(b, buf, low, high, signed, nearest):
     return lf, g
 
 
+def _pack(c, codes, buf):
+    """codes (`[n, d/2]` uint8) = the nibbles `c` (flat uint8, high bits ignored) two a byte:
+    element 2j the low nibble of byte j, 2j + 1 the high one."""
+    w = c.view("<u2")
+    w &= 0x0F0F
+    np.right_shift(w, 4, out=buf["w"][:w.size])
+    w |= buf["w"][:w.size]
+    np.copyto(codes.reshape(-1), w, casting="unsafe")  # the low byte: 2j low, 2j + 1 high
+
+
+def quantize_linear_rows(x, noise, codes, scale):
+    """Codes and scales of float32 rows `x` under the linear map: k = floor(LEVELS·y + noise)
+    (nearest: rint), at most LEVELS (LEVELS + noise can round up to LEVELS + 1), kept as its
+    two's complement nibble; y = x / its block's scale, 0 in non-finite blocks."""
+    buf = _buffers(x.size)
+    y = buf["y"][:x.size].reshape(x.shape)
+    scale[...], safe = _scales(x, y)
+    _divide(x, safe, scale, y)
+    y *= np.float32(LEVELS)
+    if noise is None:
+        np.rint(y, out=y)
+    else:
+        y += noise
+        np.floor(y, out=y)
+        np.minimum(y, np.float32(LEVELS), out=y)
+    c = buf["c"][:x.size]
+    np.copyto(c.view(np.int8), y.reshape(-1), casting="unsafe")
+    _pack(c, codes, buf)
+
+
 def quantize_rows(x, noise, codes, scale, signed, smallest):
     """Codes (`[n, d/2]` uint8) and scales (`[n, blocks]`) of float32 rows `x` (`[n, d]`):
     `plsc.quantized4.quantize`'s arithmetic on one slab. `smallest`: (bits of the map's
@@ -202,9 +240,5 @@ def quantize_rows(x, noise, codes, scale, signed, smallest):
         q ^= m
     c = buf["c"][:x.size]
     np.copyto(c, q.reshape(-1), casting="unsafe")
-    c += up.reshape(-1).view(np.uint8)
-    w = c.view("<u2")
-    w &= 0x0F0F  # a signed code of 16 is 0
-    np.right_shift(w, 4, out=buf["w"][:w.size])
-    w |= buf["w"][:w.size]
-    np.copyto(codes.reshape(-1), w, casting="unsafe")  # the low byte: 2j low, 2j + 1 high
+    c += up.reshape(-1).view(np.uint8)  # a signed code of 16 is 0: the pack keeps 4 bits
+    _pack(c, codes, buf)

@@ -33,7 +33,7 @@ __all__ = ["HEAD_DTYPES", "STATE_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE
 
 def name(t):
     """'float32', 'bfloat16', 'float16', or the 8- or 4-bit map ('int8', 'int8_log',
-    'uint8_log', 'int4_log', 'uint4_log') of a head array."""
+    'uint8_log', 'int4', 'int4_log', 'uint4_log') of a head array."""
     if isinstance(t, Int8Rows):
         return t.map.name
     return str(t.dtype).replace("paddle.", "")
@@ -51,15 +51,15 @@ def has_autograd(t):
 
 def zeros(shape, dtype, map_name=None):
     """A zero head array of `shape` stored as `dtype` (one of `STATE_DTYPES`; "int8" and "int4"
-    with the map `map_name`, default "int8" and "int4_log", and only for rows of two or more
-    axes: one value per row stays float32)."""
+    with the map `map_name`, default the linear "int8" and "int4", and only for rows of two or
+    more axes: one value per row stays float32)."""
     if dtype not in STATE_DTYPES:
         raise ValueError(f"storage dtype must be one of {', '.join(STATE_DTYPES)}, got {dtype!r}")
     if dtype in ("int8", "int4"):
         if len(shape) < 2:
             return paddle.zeros(shape, dtype="float32")
         if dtype == "int4":
-            return Int4Rows.zeros(list(shape), map_name or "int4_log")
+            return Int4Rows.zeros(list(shape), map_name or "int4")
         return Int8Rows.zeros(list(shape), map_name or "int8")
     return paddle.zeros(shape, dtype=dtype)
 

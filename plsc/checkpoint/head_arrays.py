@@ -5,8 +5,8 @@
 
 meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16", an
 8-bit map of `plsc.quantized`: "int8", "int8_log", "uint8_log", or a 4-bit map of
-`plsc.quantized4`: "int4_log", "uint4_log"); numpy has no bfloat16, so a bfloat16 array's .npy
-holds its bits as uint16, and an 8-bit array's .npy holds a record a row, `(scale float32,
+`plsc.quantized4`: "int4", "int4_log", "uint4_log"); numpy has no bfloat16, so a bfloat16
+array's .npy holds its bits as uint16, and an 8-bit array's .npy holds a record a row, `(scale float32,
 codes int8[d])` (uint8 codes for uint8_log; `[n]` records, `[n, K]` with sub-centres), so each
 row's scale travels with its codes; a 4-bit row's record is `(scale float32[blocks],
 codes uint8[d/2])`, its scales and its bytes as the head holds them. Checkpoints without

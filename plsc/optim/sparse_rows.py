@@ -265,7 +265,7 @@ class SparseMomentum(SparseRowOptimizer):
 
     state_names = ("velocity",)
     int8_maps = {"velocity": "int8"}
-    int4_maps = {"velocity": "int4_log"}
+    int4_maps = {"velocity": "int4"}
 
     def __init__(self, learning_rate, momentum=0.9, weight_decay=0.0, use_nesterov=False,
                  state_dtype=None, rounding="stochastic", seed=0):

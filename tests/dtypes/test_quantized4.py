@@ -17,7 +17,7 @@ from plsc.storage import name as storage_name
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
-NAMES = ["int4_log", "uint4_log"]
+NAMES = ["int4", "int4_log", "uint4_log"]
 B = 128  # the documented block size: values sharing one scale
 
 
@@ -34,6 +34,8 @@ def rows(n=24, d=300, seed=0, positive=False):
 
 def table(name):
     """The map's values from the module docstring, float64 then float32."""
+    if name == "int4":  # linear: k / 7
+        return (np.arange(-7, 8) / 7.0).astype(np.float32)
     if name == "int4_log":
         mags = 2.0 ** (-np.arange(7) / 2)
         return np.concatenate([-mags, [0.0], mags[::-1]]).astype(np.float32)
@@ -54,7 +56,7 @@ def oracle_unpack(codes, name):
     the signed map's nibble a two's complement code with 0 at index 7."""
     nib = np.empty(codes.shape[:-1] + (2 * codes.shape[-1],), np.int64)
     nib[..., 0::2], nib[..., 1::2] = codes & 15, codes >> 4
-    if name == "int4_log":
+    if name != "uint4_log":
         return np.where(nib >= 8, nib - 16, nib) + 7
     return nib
 
@@ -69,6 +71,8 @@ def oracle_index(x, name, u=None):
     frac = (y - t[hi - 1]) / (t[hi] - t[hi - 1])
     if u is None:
         up, edge = frac > 0.5, np.abs(frac - 0.5) < 1e-4
+    elif name == "int4":  # floor(7y + u): up where frac + u >= 1
+        up, edge = frac + u >= 1, np.abs(frac + u - 1) < 1e-4
     else:
         up, edge = u < frac, np.abs(u - frac) < 1e-4
     idx = hi - 1 + up
@@ -98,9 +102,14 @@ def test_nearest_codes_match_the_float64_oracle_and_the_error_bound(name):
     np.testing.assert_allclose(got, values_of(codes, scale, name, x.shape[1]), rtol=2 ** -23,
                                atol=0)
     # The bound: half the ratio of neighbours (√2), relative, above the smallest step; below
-    # it half that step (signed: 0 is a code) or the step itself (uint4_log stores it).
+    # it half that step (signed: 0 is a code) or the step itself (uint4_log stores it). The
+    # linear map: half its step, scale / 14, everywhere.
     err = np.abs(got.astype(np.float64) - x)
     s = per_value(scale.astype(np.float64), x.shape[1])
+    if name == "int4":
+        assert (err <= s / 14 * (1 + 1e-5)).all() and (got[3] == 0).all()
+        assert (got[4, B:2 * B] == 0).all() and not np.signbit(got[3]).any()
+        return
     smallest = s * (2.0 ** -3 if name == "int4_log" else 2.0 ** -7)
     big = np.abs(x) >= smallest
     assert (err[big] <= np.abs(x)[big] * (np.sqrt(2) - 1) / 2 * (1 + 1e-5)).all()
@@ -275,6 +284,8 @@ def stored(opt, key):
 def map_bound(v, name):
     """|stored − v| a nearest write of v may make (this file's bound, per value)."""
     s = per_value(oracle_scales(v), v.shape[1]).astype(np.float64)
+    if name == "int4":
+        return s / 14 * (1 + 1e-5)
     smallest = s * (2.0 ** -3 if name == "int4_log" else 2.0 ** -7)
     rel = np.abs(v) * (np.sqrt(2) - 1) / 2 * (1 + 1e-5)
     return np.where(np.abs(v) >= smallest, rel, smallest * (1 + 1e-5))
@@ -293,7 +304,7 @@ def test_steps_match_numpy_on_the_stored_state(kind):
     if kind == "momentum":
         opt = SparseMomentum(lr, momentum=0.9, weight_decay=5e-4, state_dtype="int4",
                              rounding="nearest")
-        names = {"velocity": "int4_log"}
+        names = {"velocity": "int4"}
     else:
         opt = SparseAdamW(lr, weight_decay=0.01, state_dtype="int4", rounding="nearest")
         names = {"moment1": "int4_log", "moment2": "uint4_log"}

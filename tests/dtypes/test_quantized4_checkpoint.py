@@ -77,7 +77,7 @@ def test_options_and_loads_across_dtypes(tmp_path):
         {"lr": paddle.zeros([1])}, {"opt.weight.velocity": a})
     f32 = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, paddle.zeros([20, 2 * B]))
     np.testing.assert_array_equal(f32.numpy(), values_of(a.codes.numpy(), a.scale.numpy(),
-                                                         "int4_log", 2 * B).astype(np.float32))
+                                                         a.map.name, 2 * B).astype(np.float32))
 
 
 def oracle_records(x, name):
@@ -85,7 +85,7 @@ def oracle_records(x, name):
     file's oracle: records of (block scales, bytes with element 2j in the low nibble)."""
     index, edge = oracle_index(x, name)
     assert not edge.any()
-    nib = (index - (7 if name == "int4_log" else 0)) % 16
+    nib = (index - (0 if name == "uint4_log" else 7)) % 16
     out = np.empty(x.shape[0], [("scale", "<f4", (-(-x.shape[1] // B),)),
                                 ("codes", "u1", (x.shape[1] // 2,))])
     out["scale"], out["codes"] = oracle_scales(x), nib[:, 0::2] | (nib[:, 1::2] << 4)
@@ -113,7 +113,8 @@ def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
     part = ClassPartition(C, 3)
     for r in range(3):
         lo, n = part.class_start(r), part.num_local(r)
-        mine = ckpt.load_head_rows_into(dst, "opt.weight.velocity", lo, Int4Rows.zeros([n, d]))
+        mine = ckpt.load_head_rows_into(dst, "opt.weight.velocity", lo,
+                                       Int4Rows.zeros([n, d], "int4_log"))
         np.testing.assert_array_equal(mine.codes.numpy(), rec["codes"][lo:lo + n])
         np.testing.assert_array_equal(mine.scale.numpy(), rec["scale"][lo:lo + n])
     v8 = Int8Rows.from_float(paddle.to_tensor(x))
@@ -122,7 +123,8 @@ def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
     int8_rec["scale"], int8_rec["codes"] = v8.scale.numpy(), v8.codes.numpy()
     for kind, stored_rows, values in (("float32", x, x), ("int8", int8_rec, as_f32)):
         path = write_checkpoint(tmp_path / kind, {"opt.weight.velocity": (kind, stored_rows)}, 2)
-        mine = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, Int4Rows.zeros([C, d]))
+        mine = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0,
+                                       Int4Rows.zeros([C, d], "int4_log"))
         want = oracle_records(values, "int4_log")
         np.testing.assert_array_equal(mine.codes.numpy(), want["codes"], err_msg=kind)
         np.testing.assert_array_equal(mine.scale.numpy(), want["scale"], err_msg=kind)

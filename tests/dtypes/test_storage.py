@@ -107,7 +107,7 @@ def test_zeros_and_the_dtype_names():
     assert storage.STATE_DTYPES == storage.HEAD_DTYPES + ("int4",)
     z4 = storage.zeros([3, 4], "int4", "uint4_log")
     assert type(z4).__name__ == "Int4Rows" and storage.name(z4) == "uint4_log"
-    assert storage.name(storage.zeros([3, 4], "int4")) == "int4_log"
+    assert storage.name(storage.zeros([3, 4], "int4")) == "int4"
     assert storage.name(storage.zeros([3], "int4")) == "float32"  # a value a row
     with pytest.raises(ValueError, match="int2"):
         storage.zeros([3, 4], "int2")

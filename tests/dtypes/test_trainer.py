@@ -53,7 +53,7 @@ def test_narrow_resume_equals_uninterrupted(tmp_path, data_root, dtype, ratio, o
     first = "weight.velocity" if opt == "sgd" else "weight.moment2"
     assert storage_name(full.head.weight) == dtype
     want_map = {(None, "sgd"): dtype, (None, "adamw"): "uint8_log",
-                ("int4", "sgd"): "int4_log", ("int4", "adamw"): "uint4_log"}
+                ("int4", "sgd"): "int4", ("int4", "adamw"): "uint4_log"}
     assert storage_name(state[first]) == want_map[state_dtype, opt]
     assert int(state["step_count"]) == 6
     ckpt = os.path.join(str(tmp_path / "a"), "checkpoints", "step_00000003")
