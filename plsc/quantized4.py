@@ -34,7 +34,7 @@ slab of rows per kernel thread, finding a logarithmic map's bracket from each va
 small table by `searchsorted`, the zero-point rule and the clipping folded into that table
 (the linear map: its formula), two nibbles a byte by one product with (1, 16), reads through
 a 256-entry table of byte pairs. The same IEEE operations, so the
-same bits (tested). Device ops at d = 512: 18 a write (19 with noise), 6 a read
+same bits (tested). Device ops at d = 512 (logarithmic maps): 18 a write (19 with noise), 6 a read
 (docs/memory_and_benchmarks.md, "4-bit state").
 """
 import numpy as np

@@ -11,7 +11,7 @@ from plsc.quantized4 import Int4Rows
 from plsc.storage import name as storage_name, read as rows_f32
 
 from dtypes.test_quantized4 import (B, _assert_same, _bits, _partial_fc_run, oracle_index,
-                                    oracle_scales, rows, values_of)
+                                    oracle_scales, oracle_unpack, rows, values_of)
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
@@ -128,3 +128,27 @@ def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
         want = oracle_records(values, "int4_log")
         np.testing.assert_array_equal(mine.codes.numpy(), want["codes"], err_msg=kind)
         np.testing.assert_array_equal(mine.scale.numpy(), want["scale"], err_msg=kind)
+
+
+def test_a_log_map_velocity_loads_into_the_linear_map_to_nearest(tmp_path):
+    """A checkpoint whose velocity is `int4_log` (written before SGD's momentum became the
+    linear `int4`) loads into the run's `int4` rows as its values rounded to nearest on the
+    linear map (this file's oracle), and the resume's log line names both maps."""
+    import plsc.checkpoint as ckpt
+    from dtypes.test_checkpoint import C, write_checkpoint
+    from plsc.train.checkpointing import state_dtype_note
+    x = rows(n=C, d=2 * B, seed=11)
+    rec = oracle_records(x, "int4_log")
+    path = write_checkpoint(tmp_path / "ck", {"opt.weight.velocity": ("int4_log", rec)}, 2)
+    mine = ckpt.load_head_rows_into(path, "opt.weight.velocity", 0, Int4Rows.zeros([C, 2 * B]))
+    assert storage_name(mine) == "int4"
+    logged = values_of(rec["codes"], rec["scale"], "int4_log", 2 * B).astype(np.float32)
+    want, edge = oracle_index(logged, "int4")  # edge: ties such as 2^-1 · 7 = 3.5
+    got = oracle_unpack(mine.codes.numpy(), "int4")
+    np.testing.assert_array_equal(got[~edge], want[~edge])
+    assert (np.abs(got - want) <= 1).all() and edge.mean() < 0.1
+    np.testing.assert_array_equal(mine.scale.numpy(), oracle_scales(logged))
+    assert state_dtype_note({"opt.weight.velocity": "int4_log"},
+                            {"opt.weight.velocity": "int4"}) == (
+        "head optimizer state: checkpoint has int4_log (velocity), this run stores int4: "
+        "converted on load")
