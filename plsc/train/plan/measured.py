@@ -1,0 +1,64 @@
+"""What the planner takes from measurements on this machine (2-core AMD EPYC, 24 GiB, Paddle
+3.3.1 CPU), each with the command that measured it. Nothing here is computed by plsc's code.
+
+`PROCESS_RSS`: an idle process that imported Paddle and plsc's training package (VmHWM):
+
+    python -c "import paddle, plsc, plsc.train; print(open('/proc/self/status').read())"
+
+`LAUNCHER_RSS`: `paddle.distributed.launch`'s own process (benchmarks/peak_rss.py of the
+demo's launch).
+
+`BACKBONES`: per (model name, height, width, recompute), from
+`benchmarks/measure_backbone_memory.py --backbone NAME --image-size H W --embedding-size D
+--batch B... --eval-batch E...` (one kernel thread, malloc keeping freed blocks, the optimizer
+named): at each measured batch size, a training step's peak resident memory above the
+parameters, gradients and optimizer state (`train_rss`), the same for Paddle's allocator
+(`train_alloc`: what a device allocates, float32), and an evaluation forward's (`eval_rss`).
+Between measured batches the planner interpolates linearly, beyond them it extends the last
+segment (the resident set is not linear in the batch: malloc keeps freed blocks below 1 GiB
+and returns larger ones). The allocator figures are float32; with AMP on a GPU the planner
+takes half of them (16-bit activations), an assumption.
+"""
+
+__all__ = ["PROCESS_RSS", "LAUNCHER_RSS", "BACKBONES", "activation_row", "at_batch"]
+
+PROCESS_RSS = 332_452 * 1024
+LAUNCHER_RSS = 333_475_840
+
+BACKBONES = {
+}
+
+
+def at_batch(points, batch):
+    """Bytes at `batch` from {batch: bytes}: linear between the measured batches, the nearest
+    segment's line beyond them (one point: proportional)."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * batch / xs[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < batch:
+        i += 1
+    (x0, x1) = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
+
+
+def activation_row(name, image_size, recompute):
+    """The measured row of backbone `name` at `image_size` ([H, W]) with `recompute`; a row of
+    the same backbone at another size scaled by the pixels; KeyError naming what is measured
+    when there is none."""
+    h, w = image_size
+    key = (name, h, w, bool(recompute))
+    if key in BACKBONES:
+        return dict(BACKBONES[key], scaled_from=None)
+    same = [k for k in BACKBONES if k[0] == name and k[3] == bool(recompute)]
+    if not same:
+        known = ", ".join(f"{k[0]} {k[1]}x{k[2]}{' recompute' if k[3] else ''}" for k in BACKBONES)
+        raise KeyError(f"no measured activations for Model.name={name} (recompute={bool(recompute)}); "
+                       f"measured: {known}. Measure it with benchmarks/measure_backbone_memory.py "
+                       f"and add the row to plsc/train/plan/measured.py")
+    base = same[0]
+    ratio = (h * w) / (base[1] * base[2])
+    row = {k: {b: v * ratio for b, v in points.items()} for k, points in BACKBONES[base].items()
+           if isinstance(points, dict)}
+    return dict(row, scaled_from=f"{base[1]}x{base[2]}")
