@@ -26,6 +26,18 @@ PROCESS_RSS = 332_452 * 1024
 LAUNCHER_RSS = 333_475_840
 
 BACKBONES = {
+    # --backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256
+    # --eval-batch 100 200
+    ("IResNetTiny", 56, 56, False): dict(
+        train_rss={32: 306_678_912, 64: 592_419_968, 128: 1_167_903_872, 256: 2_321_517_696},
+        train_alloc={32: 74_955_848, 64: 150_543_432, 128: 301_718_600, 256: 604_068_936},
+        eval_rss={100: 308_350_976, 200: 593_260_544}),
+    # --backbone ViT_T --image-size 56 56 --embedding-size 512 --optimizer adamw --batch 32 64
+    # --eval-batch 100 200
+    ("ViT_T", 56, 56, False): dict(
+        train_rss={32: 286_548_992, 64: 593_462_272},
+        train_alloc={32: 160_154_504, 64: 358_469_256},
+        eval_rss={100: 101_134_336, 200: 185_282_560}),
 }
 
 
