@@ -38,6 +38,23 @@ BACKBONES = {
         train_rss={32: 286_548_992, 64: 593_462_272},
         train_alloc={32: 160_154_504, 64: 358_469_256},
         eval_rss={100: 101_134_336, 200: 185_282_560}),
+    # --backbone IResNet18 --image-size 112 112 --batch 16 32 --eval-batch 64 128
+    ("IResNet18", 112, 112, False): dict(
+        train_rss={16: 2_566_328_320, 32: 5_565_128_704},
+        train_alloc={16: 715_574_280, 32: 1_446_939_656},
+        eval_rss={64: 3_216_269_312, 128: 6_421_233_664}),
+    # --backbone IResNet50 --image-size 112 112 --batch 8 16 --steps 2
+    ("IResNet50", 112, 112, False): dict(
+        train_rss={8: 1_475_246_592, 16: 2_871_790_080},
+        train_alloc={8: 483_357_960, 16: 1_041_716_488}),
+    # --backbone ViT_T --image-size 112 112 --optimizer adamw --batch 16 32 --steps 2
+    ("ViT_T", 112, 112, False): dict(
+        train_rss={16: 624_780_288, 32: 1_327_678_464},
+        train_alloc={16: 438_153_864, 32: 914_578_568}),
+    # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
+    ("IResNet100", 112, 112, False): dict(
+        train_rss={8: 1_859_390_976, 16: 3_621_588_480},
+        train_alloc={8: 724_897_544, 16: 1_610_805_000}),
 }
 
 
@@ -58,8 +75,13 @@ def at_batch(points, batch):
 def activation_row(name, image_size, recompute):
     """The measured row of backbone `name` at `image_size` ([H, W]) with `recompute`; a row of
     the same backbone at another size scaled by the pixels; KeyError naming what is measured
-    when there is none."""
+    when there is none. A ViT variant with drop path or masking (`ViT_T_DP005_Mask0`) takes its
+    base's row (the same tensors in training, masking aside)."""
+    from ...models.registry import resolve_name
     h, w = image_size
+    name = resolve_name(name)
+    if not any(k[0] == name for k in BACKBONES):  # a face ViT's variant: drop path, masking
+        name = name.split("_DP")[0]
     key = (name, h, w, bool(recompute))
     if key in BACKBONES:
         return dict(BACKBONES[key], scaled_from=None)
