@@ -1,4 +1,4 @@
-"""What a training configuration needs before it runs: memory per rank, the bytes of each
+r"""What a training configuration needs before it runs: memory per rank, the bytes of each
 collective and the FLOPs of a step, the largest class count that fits, a step time.
 
     python tools/plan.py -c configs/demo.yaml                  # this machine's CPU, 2 ranks

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ... import storage
 from ...nn import PartialFC
 from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, _WGRAD_BLOCK_BYTES
-from ...numerics import DEVICE_SLAB_BYTES, SLAB_BYTES
+from ...numerics import DEVICE_SLAB_BYTES
 from ..builders import build_head_optimizer, build_margin_from_config
 
 __all__ = ["HeadShape", "head_arrays_per_class", "head_shape", "head_workspace"]
@@ -74,7 +74,11 @@ def head_shape(cfg, ranks, fused, probe=None):
     num_local = part.num_local(0)
     n = cfg["Data"]["batch_size"] * ranks
     ratio = loss["sample_ratio"]
-    rows_used = num_local if ratio >= 1.0 else min(num_local, max(int(ratio * num_local), n))
+    # Partial FC: max(int(ratio·C_local), positives); a shard's distinct positives expected
+    # from uniformly spread labels (N·C_local/C; at most N, where the labels are so few)
+    positives = -(-n * num_local // loss["num_classes"])
+    rows_used = num_local if ratio >= 1.0 else min(num_local, max(int(ratio * num_local),
+                                                                  positives))
     k = loss["sub_centers"]
     chunk = probe._chunk_for(n, rows_used * k) or 0  # the head's own choice
     if chunk and chunk * k >= rows_used * k:
@@ -100,10 +104,10 @@ def head_workspace(s, device):
     narrow = s.row_bytes < 4 * d * k or s.stored_rows
     if narrow:  # a block's rows read as float32, a slab at a time beyond the budget
         out["float32 rows of a block"] = min(wgrad, 4 * d * k * width)
-    if s.fused:
-        out["weight gradient slab"] = min(wgrad, 4 * d * k * width)
-        slab = DEVICE_SLAB_BYTES if device else 4 * 1024 * d * k
-        out["update chunk temporaries"] = 4 * slab
-    else:
-        out["weight gradient"] = 4 * d * k * s.rows_used
+    out["weight gradient slab"] = min(wgrad, 4 * d * k * width)
+    slab = DEVICE_SLAB_BYTES if device else 4 * 1024 * d * k
+    out["update chunk temporaries"] = 4 * slab
+    if not s.fused and s.rows_used == s.num_local:  # Partial FC's is written over its rows
+        per_value = 2 if s.row_bytes == 2 * d * k else 4  # a 16-bit weight's is 16-bit
+        out["weight gradient"] = per_value * d * k * s.num_local
     return out

@@ -53,6 +53,7 @@ class _Context:
         m = cfg["Model"]
         self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"],
                                            m["recompute"] or False)
+        self.notes = []
 
 
 def _activations(cfg, ctx):
@@ -61,9 +62,12 @@ def _activations(cfg, ctx):
         scale = 0.5 if ctx.amp else 1.0
         return {"backbone activations": int(scale * measured.at_batch(row["train_alloc"], b))}
     out = {"backbone activations": int(measured.at_batch(row["train_rss"], b))}
-    if cfg["Eval"]["targets"]:  # measured: the evaluation's peak adds to the step's on a CPU
+    if cfg["Eval"]["targets"] and "eval_rss" in row:  # measured: it adds to the step's peak
         out["evaluation forward"] = int(measured.at_batch(row["eval_rss"],
                                                           cfg["Eval"]["batch_size"]))
+    elif cfg["Eval"]["targets"]:
+        ctx.notes.append(f"the evaluation's memory is not measured for {cfg['Model']['name']}: "
+                         "left out")
     return out
 
 
@@ -155,7 +159,9 @@ def plan(cfg, ranks, device="cpu"):
     p = Plan(cfg, ctx.ranks, prof, mem, limit(prof, ctx.ranks), colls, flops,
              _seconds(ctx, flops, colls), capacity(cfg, ctx), dict(ctx.per_class))
     if ctx.row.get("scaled_from"):
-        p.notes.append(f"activations scaled from the {ctx.row['scaled_from']} measurement")
+        p.notes.append(f"activations scaled by the pixels from the {ctx.row['scaled_from']} "
+                       "measurement")
+    p.notes += sorted(set(ctx.notes))
     p.context = ctx
     return p
 
