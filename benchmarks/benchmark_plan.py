@@ -1,0 +1,90 @@
+"""The planner's predicted peak memory against the measured peak RSS of real runs on this
+machine: for each run, the plan of its config on the "cpu" profile (2 ranks) beside the VmHWM of
+the larger rank of the launched run (`benchmarks/peak_rss.py`). One JSON line per run.
+
+    python benchmarks/benchmark_plan.py --out /tmp/plan_runs                  # every run
+    python benchmarks/benchmark_plan.py --out /tmp/plan_runs --runs demo vit_t_adamw
+    python benchmarks/benchmark_plan.py --predict-only                        # no runs
+
+The runs (few steps each; the demo's synthetic data, generated on first use under OUT):
+demo (configs/demo.yaml), int8_3m (3M classes, int8 centres and momentum, the run of
+docs/memory_and_benchmarks.md), pfc_10m (10M classes, Partial FC 0.1, int8 centres, 4-bit
+momentum), vit_t_adamw (configs/demo_vit.yaml with ViT-T and AdamW). Run them one at a time on an
+otherwise idle machine.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RUNS = {
+    "demo": ("configs/demo.yaml", ["Global.max_steps=3"]),
+    "int8_3m": ("configs/demo.yaml", [
+        "Loss.num_classes=3000000", "Loss.param_dtype=int8", "Loss.chunk_size=16384",
+        "Model.embedding_size=512", "Data.batch_size=256", "Global.max_steps=3",
+        "Eval.targets=[]"]),
+    "pfc_10m": ("configs/demo.yaml", [
+        "Loss.num_classes=10000000", "Loss.sample_ratio=0.1", "Loss.param_dtype=int8",
+        "Optimizer.head_state_dtype=int4", "Loss.chunk_size=16384", "Model.embedding_size=512",
+        "Data.batch_size=128", "Global.max_steps=3", "Eval.targets=[]"]),
+    "vit_t_adamw": ("configs/demo_vit.yaml", [
+        "Model.name=ViT_T", "Model.embedding_size=512", "Global.max_steps=3"]),
+}
+
+
+def overrides(name, out):
+    config, extra = RUNS[name]
+    data = os.path.join(out, "demo_data")
+    return config, extra + [f"Global.output_dir={os.path.join(out, name)}", f"Data.root={data}",
+                            f"Eval.root={data}", "Global.checkpoint=null"]
+
+
+def predict(name, out):
+    from plsc.config import load_config
+    from plsc.train.plan import plan
+    config, over = overrides(name, out)
+    p = plan(load_config(os.path.join(ROOT, config), over), 2, "cpu")
+    return p.total, p.memory
+
+
+def measure(name, out):
+    """(peak RSS of the larger rank, the command) of the launched run."""
+    config, over = overrides(name, out)
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
+           os.path.join(out, f"log_{name}"), "--nproc_per_node", "2", "tools/train.py", "-c", config]
+    for o in over:
+        cmd += ["-o", o]
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_rss.py"), "--"]
+                          + cmd, cwd=ROOT, capture_output=True, text=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["returncode"] != 0:
+        raise RuntimeError(f"{name}: the run failed (exit {report['returncode']}): {done.stderr[-2000:]}")
+    ranks = [v for pid, v in report["peak_rss_bytes"].items()
+             if "tools/train.py" in report["commands"][pid] and "distributed.launch" not in
+             report["commands"][pid]]
+    return max(ranks), " ".join(cmd[1:])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="/tmp/plan_runs", help="output folders and the demo's data")
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
+    args = p.parse_args(argv)
+    for name in args.runs:
+        predicted, terms = predict(name, args.out)
+        line = {"run": name, "predicted_bytes": predicted,
+                "terms": {k: v for k, v in terms.items() if v}}
+        if not args.predict_only:
+            measured, cmd = measure(name, args.out)
+            line.update(measured_bytes=measured, error=round(predicted / measured - 1, 4),
+                        command="python " + cmd)
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The head's memory per rank, from plsc's own head and storage code.
+
+Bytes per class: a head of a few classes is built as the trainer builds it (`PartialFC` with the
+config's margin, storage dtype and sub-centres, its optimizer from `build_head_optimizer`, the
+state created by `init_state`) and `plsc.storage.nbytes` of each array is divided by its
+classes, so every storage's figure (8-bit codes and row scales, 4-bit codes and block scales,
+AdamW's step counts) is the storage's own. Workspaces: the step's buffers as the head sizes them
+(`PartialFC._chunk_for`, the sampled rows in their storage or as float32, the slab budgets).
+"""
+from dataclasses import dataclass, field
+
+from ... import storage
+from ...nn import PartialFC
+from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, _WGRAD_BLOCK_BYTES
+from ...numerics import DEVICE_SLAB_BYTES
+from ..builders import build_head_optimizer, build_margin_from_config
+
+__all__ = ["HeadShape", "head_arrays_per_class", "head_shape", "head_workspace"]
+
+_PROBE_CLASSES = 8  # classes of the head built to read the arrays' bytes
+
+
+def _probe_head(cfg, classes=_PROBE_CLASSES):
+    loss, m = cfg["Loss"], cfg["Model"]
+    chunk = "auto" if loss["chunk_size"] is None else loss["chunk_size"]
+    return PartialFC(m["embedding_size"], classes, build_margin_from_config(loss),
+                     sample_ratio=loss["sample_ratio"], chunk_size=chunk,
+                     logits_budget=int(loss["logits_budget_mb"] * (1 << 20)),
+                     param_dtype=loss["param_dtype"], sub_centers=loss["sub_centers"],
+                     interclass_filtering_threshold=loss["interclass_filtering_threshold"],
+                     check_inputs="labels", group=None)
+
+
+def head_arrays_per_class(cfg):
+    """{array name: bytes per class} of the head's arrays kept between steps: "centres",
+    "bias" (margins without normalisation) and each optimizer state array ("velocity",
+    "moment1", "moment2", "steps"), stored as the config asks."""
+    head = _probe_head(cfg)
+    opt = build_head_optimizer(cfg, 0.1)
+    out = {"centres": storage.nbytes(head.weight) / _PROBE_CLASSES}
+    if head.bias is not None:
+        out["bias"] = storage.nbytes(head.bias) / _PROBE_CLASSES
+    for name, array in opt.init_state(head).items():
+        if name != "step_count":
+            param, key = name.rsplit(".", 1)
+            label = key if param == "weight" else f"bias {key}"
+            out[label] = storage.nbytes(array) / _PROBE_CLASSES
+    return out
+
+
+@dataclass
+class HeadShape:
+    """What one rank's head works on in a step."""
+    num_local: int  # classes this rank owns (the largest shard)
+    rows_used: int  # classes in the step's GEMMs (all, or Partial FC's sampled ones)
+    n: int  # gathered batch N
+    d: int
+    k: int  # centres per class
+    chunk: int  # classes per block (0: dense)
+    fused: bool  # the update inside the backward
+    stored_rows: bool  # Partial FC's rows gathered in their storage (no float32 copy)
+    row_bytes: float  # bytes of one class's centres as stored
+    per_class_logit: int = 4  # bytes of a class's logits per sample
+    notes: list = field(default_factory=list)
+
+
+def head_shape(cfg, ranks, fused, probe=None):
+    """The largest shard's `HeadShape` for `ranks` ranks (`fused`: the trainer updates the
+    head inside its backward)."""
+    from ...distributed import ClassPartition
+    loss = cfg["Loss"]
+    probe = probe or _probe_head(cfg)
+    part = ClassPartition(loss["num_classes"], ranks)
+    num_local = part.num_local(0)
+    n = cfg["Data"]["batch_size"] * ranks
+    ratio = loss["sample_ratio"]
+    # Partial FC: max(int(ratio·C_local), positives); a shard's distinct positives expected
+    # from uniformly spread labels (N·C_local/C; at most N, where the labels are so few)
+    positives = -(-n * num_local // loss["num_classes"])
+    rows_used = num_local if ratio >= 1.0 else min(num_local, max(int(ratio * num_local),
+                                                                  positives))
+    k = loss["sub_centers"]
+    chunk = probe._chunk_for(n, rows_used * k) or 0  # the head's own choice
+    if chunk and chunk * k >= rows_used * k:
+        chunk = 0  # one block holding every class is the dense path
+    row_bytes = storage.nbytes(probe.weight) / _PROBE_CLASSES
+    stored = ratio < 1.0 and fused and loss["param_dtype"] != "float32"
+    per_logit = 4 * (1 if k == 1 else k + 2)
+    return HeadShape(num_local, rows_used, n, cfg["Model"]["embedding_size"], k, chunk, fused,
+                     stored, row_bytes, per_logit)
+
+
+def head_workspace(s, device):
+    """{buffer: bytes} of one step's head buffers on rank `s` (a `HeadShape`); `device`: the
+    device kernel set (a GPU), else the CPU set."""
+    d, k = s.d, s.k
+    out = {"features and their gradient": 3 * 4 * s.n * d}
+    width = s.chunk or s.rows_used
+    out["logits" if not s.chunk else "logits block"] = s.n * width * s.per_class_logit
+    out["inverse centre norms"] = 4 * s.rows_used * k
+    if s.rows_used < s.num_local:  # Partial FC's gathered rows (their gradient written over them)
+        out["sampled rows"] = s.rows_used * (s.row_bytes if s.stored_rows else 4 * d * k)
+    wgrad = _DEVICE_WGRAD_BYTES if device else _WGRAD_BLOCK_BYTES
+    narrow = s.row_bytes < 4 * d * k or s.stored_rows
+    if narrow:  # a block's rows read as float32, a slab at a time beyond the budget
+        out["float32 rows of a block"] = min(wgrad, 4 * d * k * width)
+    out["weight gradient slab"] = min(wgrad, 4 * d * k * width)
+    slab = DEVICE_SLAB_BYTES if device else 4 * 1024 * d * k
+    out["update chunk temporaries"] = 4 * slab
+    if not s.fused and s.rows_used == s.num_local:  # Partial FC's is written over its rows
+        per_value = 2 if s.row_bytes == 2 * d * k else 4  # a 16-bit weight's is 16-bit
+        out["weight gradient"] = per_value * d * k * s.num_local
+    return out

@@ -1,0 +1,98 @@
+"""What the planner takes from measurements on this machine (2-core AMD EPYC, 24 GiB, Paddle
+3.3.1 CPU), each with the command that measured it. Nothing here is computed by plsc's code.
+
+`PROCESS_RSS`: an idle process that imported Paddle and plsc's training package (VmHWM):
+
+    python -c "import paddle, plsc, plsc.train; print(open('/proc/self/status').read())"
+
+`LAUNCHER_RSS`: `paddle.distributed.launch`'s own process (benchmarks/peak_rss.py of the
+demo's launch).
+
+`BACKBONES`: per (model name, height, width, recompute), from
+`benchmarks/measure_backbone_memory.py --backbone NAME --image-size H W --embedding-size D
+--batch B... --eval-batch E...` (one kernel thread, malloc keeping freed blocks, the optimizer
+named): at each measured batch size, a training step's peak resident memory above the
+parameters, gradients and optimizer state (`train_rss`), the same for Paddle's allocator
+(`train_alloc`: what a device allocates, float32), and an evaluation forward's (`eval_rss`).
+Between measured batches the planner interpolates linearly, beyond them it extends the last
+segment (the resident set is not linear in the batch: malloc keeps freed blocks below 1 GiB
+and returns larger ones). The allocator figures are float32; with AMP on a GPU the planner
+takes half of them (16-bit activations), an assumption.
+"""
+
+__all__ = ["PROCESS_RSS", "LAUNCHER_RSS", "BACKBONES", "activation_row", "at_batch"]
+
+PROCESS_RSS = 332_452 * 1024
+LAUNCHER_RSS = 333_475_840
+
+BACKBONES = {
+    # --backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256
+    # --eval-batch 100 200
+    ("IResNetTiny", 56, 56, False): dict(
+        train_rss={32: 306_678_912, 64: 592_419_968, 128: 1_167_903_872, 256: 2_321_517_696},
+        train_alloc={32: 74_955_848, 64: 150_543_432, 128: 301_718_600, 256: 604_068_936},
+        eval_rss={100: 308_350_976, 200: 593_260_544}),
+    # --backbone ViT_T --image-size 56 56 --embedding-size 512 --optimizer adamw --batch 32 64
+    # --eval-batch 100 200
+    ("ViT_T", 56, 56, False): dict(
+        train_rss={32: 286_548_992, 64: 593_462_272},
+        train_alloc={32: 160_154_504, 64: 358_469_256},
+        eval_rss={100: 101_134_336, 200: 185_282_560}),
+    # --backbone IResNet18 --image-size 112 112 --batch 16 32 --eval-batch 64 128
+    ("IResNet18", 112, 112, False): dict(
+        train_rss={16: 2_566_328_320, 32: 5_565_128_704},
+        train_alloc={16: 715_574_280, 32: 1_446_939_656},
+        eval_rss={64: 3_216_269_312, 128: 6_421_233_664}),
+    # --backbone IResNet50 --image-size 112 112 --batch 8 16 --steps 2
+    ("IResNet50", 112, 112, False): dict(
+        train_rss={8: 1_475_246_592, 16: 2_871_790_080},
+        train_alloc={8: 483_357_960, 16: 1_041_716_488}),
+    # --backbone ViT_T --image-size 112 112 --optimizer adamw --batch 16 32 --steps 2
+    ("ViT_T", 112, 112, False): dict(
+        train_rss={16: 624_780_288, 32: 1_327_678_464},
+        train_alloc={16: 438_153_864, 32: 914_578_568}),
+    # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
+    ("IResNet100", 112, 112, False): dict(
+        train_rss={8: 1_859_390_976, 16: 3_621_588_480},
+        train_alloc={8: 724_897_544, 16: 1_610_805_000}),
+}
+
+
+def at_batch(points, batch):
+    """Bytes at `batch` from {batch: bytes}: linear between the measured batches, the nearest
+    segment's line beyond them (one point: proportional)."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * batch / xs[0]
+    i = 1
+    while i < len(xs) - 1 and xs[i] < batch:
+        i += 1
+    (x0, x1) = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
+
+
+def activation_row(name, image_size, recompute):
+    """The measured row of backbone `name` at `image_size` ([H, W]) with `recompute`; a row of
+    the same backbone at another size scaled by the pixels; KeyError naming what is measured
+    when there is none. A ViT variant with drop path or masking (`ViT_T_DP005_Mask0`) takes its
+    base's row (the same tensors in training, masking aside)."""
+    from ...models.registry import resolve_name
+    h, w = image_size
+    name = resolve_name(name)
+    if not any(k[0] == name for k in BACKBONES):  # a face ViT's variant: drop path, masking
+        name = name.split("_DP")[0]
+    key = (name, h, w, bool(recompute))
+    if key in BACKBONES:
+        return dict(BACKBONES[key], scaled_from=None)
+    same = [k for k in BACKBONES if k[0] == name and k[3] == bool(recompute)]
+    if not same:
+        known = ", ".join(f"{k[0]} {k[1]}x{k[2]}{' recompute' if k[3] else ''}" for k in BACKBONES)
+        raise KeyError(f"no measured activations for Model.name={name} (recompute={bool(recompute)}); "
+                       f"measured: {known}. Measure it with benchmarks/measure_backbone_memory.py "
+                       f"and add the row to plsc/train/plan/measured.py")
+    base = same[0]
+    ratio = (h * w) / (base[1] * base[2])
+    row = {k: {b: v * ratio for b, v in points.items()} for k, points in BACKBONES[base].items()
+           if isinstance(points, dict)}
+    return dict(row, scaled_from=f"{base[1]}x{base[2]}")

@@ -1,0 +1,177 @@
+"""A configuration's plan: per-rank memory, the step's collectives and FLOPs, the largest class
+count that fits a device profile, and a step time split into compute and communication.
+
+Memory per rank is a sum of named terms (see `memory`): on the "cpu" profile it predicts the
+peak resident set (RSS) of a rank, every term a computed size or a measured figure
+(`measured`); on a GPU profile it predicts the device memory, with the backbone's activations
+from Paddle's allocator (measured in float32, halved with AMP) and a CUDA context assumed.
+"""
+import copy
+from dataclasses import dataclass, field
+
+from . import comm, measured
+from .backbone import BackboneCost, forward_flops
+from .devices import profile as get_profile
+from .head import _probe_head, head_arrays_per_class, head_shape, head_workspace
+
+__all__ = ["Plan", "plan", "memory", "capacity", "fits", "predicted"]
+
+
+@dataclass
+class Plan:
+    config: dict
+    ranks: int
+    profile: object
+    memory: dict  # term -> bytes, per rank (the largest shard's)
+    limit: int  # bytes a rank may take on the profile
+    collectives: list
+    flops: dict  # backbone, head: FLOPs per step per rank
+    seconds: dict  # compute, communication: per step
+    capacity: int  # largest Loss.num_classes that fits, 0 if none
+    head_per_class: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self):
+        return sum(self.memory.values())
+
+
+class _Context:
+    """What does not change with the class count: the probe head, the backbone's cost, the
+    measured activations, the head's bytes per class."""
+
+    def __init__(self, cfg, ranks, prof):
+        self.ranks, self.profile = ranks, prof
+        amp = cfg["AMP"]
+        self.amp = amp["enable"] and prof.gpu
+        self.fused = (cfg["Optimizer"]["fused_head_update"]
+                      and cfg["Optimizer"]["accumulate_steps"] == 1
+                      and not (self.amp and amp["dtype"] == "float16"))
+        self.probe = _probe_head(cfg)
+        self.per_class = head_arrays_per_class(cfg)
+        self.backbone = BackboneCost(cfg)
+        m = cfg["Model"]
+        self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"],
+                                           m["recompute"] or False)
+        self.notes = []
+
+
+def _activations(cfg, ctx):
+    b, row = cfg["Data"]["batch_size"], ctx.row
+    if ctx.profile.gpu:
+        scale = 0.5 if ctx.amp else 1.0
+        return {"backbone activations": int(scale * measured.at_batch(row["train_alloc"], b))}
+    out = {"backbone activations": int(measured.at_batch(row["train_rss"], b))}
+    if cfg["Eval"]["targets"] and "eval_rss" in row:  # measured: it adds to the step's peak
+        out["evaluation forward"] = int(measured.at_batch(row["eval_rss"],
+                                                          cfg["Eval"]["batch_size"]))
+    elif cfg["Eval"]["targets"]:
+        ctx.notes.append(f"the evaluation's memory is not measured for {cfg['Model']['name']}: "
+                         "left out")
+    return out
+
+
+def _loader(cfg):
+    d = cfg["Data"]
+    h, w = d["image_size"]
+    batch = d["batch_size"] * (h * w * 3 + 8)  # uint8 HWC images and int64 labels
+    sets = cfg["Optimizer"]["accumulate_steps"] + 3  # the trainer's reused batch tensors
+    return {"loader batches": batch * (sets + 2 * d["num_workers"])}  # + workers' slots
+
+
+def memory(cfg, ctx):
+    """{term: bytes} of the rank holding the largest shard."""
+    prof = ctx.profile
+    out = {"process (CUDA context)" if prof.gpu else "process": prof.fixed_bytes if prof.gpu
+           else measured.PROCESS_RSS}
+    shape = head_shape(cfg, ctx.ranks, ctx.fused, ctx.probe)
+    for name, per_class in ctx.per_class.items():
+        out[f"head {name}"] = int(per_class * shape.num_local)
+    for name, nbytes in head_workspace(shape, prof.gpu).items():
+        out[f"head step: {name}"] = int(nbytes)
+    out.update(ctx.backbone.kept())
+    if ctx.ranks > 1:
+        out["backbone gradient sum buckets"] = ctx.backbone.gradient_sum()
+    out.update(_activations(cfg, ctx))
+    if not prof.gpu:
+        out.update(_loader(cfg))
+    return out
+
+
+def limit(prof, ranks):
+    """Bytes one rank may take: a GPU's memory, or the machine's shared by its ranks."""
+    if prof.gpu:
+        return prof.memory_bytes
+    return (prof.memory_bytes - measured.LAUNCHER_RSS) // min(ranks, prof.per_node)
+
+
+def with_classes(cfg, num_classes):
+    out = copy.deepcopy(cfg)
+    out["Loss"]["num_classes"] = int(num_classes)
+    return out
+
+
+def capacity(cfg, ctx, cap=10 ** 12):
+    """The largest Loss.num_classes whose rank fits `limit` (0 when none does)."""
+    room = limit(ctx.profile, ctx.ranks)
+    fits_ = lambda c: sum(memory(with_classes(cfg, c), ctx).values()) <= room  # noqa: E731
+    lo, hi = ctx.ranks - 1, ctx.ranks
+    if not fits_(hi):
+        return 0
+    while hi < cap and fits_(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 10000):  # to 0.01 %
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_(mid) else (lo, mid)
+    return lo
+
+
+def _flops(cfg, ctx, forward):
+    b = cfg["Data"]["batch_size"] * cfg["Optimizer"]["accumulate_steps"]
+    passes = 4 if cfg["Model"]["recompute"] else 3
+    shape = head_shape(cfg, ctx.ranks, ctx.fused, ctx.probe)
+    gemms = 4 if shape.chunk else 3  # the chunked path computes its logits again
+    head = 2 * shape.n * shape.rows_used * shape.k * shape.d * gemms
+    return {"backbone": passes * forward * b,
+            "head": head * cfg["Optimizer"]["accumulate_steps"]}
+
+
+def _seconds(ctx, flops, collectives):
+    prof = ctx.profile
+    bb_rate = prof.gemm_flops if ctx.amp or not prof.gpu else prof.fp32_flops
+    head_rate = prof.fp32_flops  # the head's GEMMs are float32 whatever the storage
+    bw = prof.intra_bw if ctx.ranks <= prof.per_node else prof.inter_bw
+    wire = sum(comm.wire_bytes(c, ctx.ranks) for c in collectives)
+    return {"compute": flops["backbone"] / bb_rate + flops["head"] / head_rate,
+            "communication": wire / bw}
+
+
+def plan(cfg, ranks, device="cpu"):
+    """The `Plan` of `cfg` on `ranks` ranks of `device` (a profile name)."""
+    if int(ranks) < 1:
+        raise ValueError(f"--ranks must be >= 1, got {ranks}")
+    prof = get_profile(device)
+    ctx = _Context(cfg, int(ranks), prof)
+    mem = memory(cfg, ctx)
+    colls = comm.step_collectives(cfg, ctx.ranks, ctx.backbone.buckets,
+                                  reduce_scatter=prof.gpu)
+    flops = _flops(cfg, ctx, forward_flops(cfg))
+    p = Plan(cfg, ctx.ranks, prof, mem, limit(prof, ctx.ranks), colls, flops,
+             _seconds(ctx, flops, colls), capacity(cfg, ctx), dict(ctx.per_class))
+    if ctx.row.get("scaled_from"):
+        p.notes.append(f"activations scaled by the pixels from the {ctx.row['scaled_from']} "
+                       "measurement")
+    p.notes += sorted(set(ctx.notes))
+    p.context = ctx
+    return p
+
+
+def fits(p):
+    return p.total <= p.limit
+
+
+def predicted(cfg, ranks, device):
+    """(bytes a rank needs, bytes it may take) without the FLOPs and the capacity search."""
+    prof = get_profile(device)
+    ctx = _Context(cfg, int(ranks), prof)
+    return sum(memory(cfg, ctx).values()), limit(prof, int(ranks))

@@ -1,0 +1,64 @@
+r"""What a training configuration needs before it runs: memory per rank, the bytes of each
+collective and the FLOPs of a step, the largest class count that fits, a step time.
+
+    python tools/plan.py -c configs/demo.yaml                  # this machine's CPU, 2 ranks
+    python tools/plan.py -c configs/glint360k_r100_pfc.yaml --device v100-32gb --ranks 8
+    python tools/plan.py -c configs/wf42m_vit_t_pfc03.yaml --device a100-80gb --ranks 64 \
+        -o Loss.num_classes=100000000 -o Loss.param_dtype=int8
+
+A configuration that does not fit prints one line (what does not fit, by how much, what would
+make it fit) and exits with status 2. docs/scaling.md explains the model and its checks.
+"""
+import argparse
+import sys
+
+from plsc import startup
+
+startup.hold()
+
+from plsc.cli import run_tool  # noqa: E402
+
+EXAMPLES = __doc__.split("\n\n")[1]
+
+
+class DoesNotFit(Exception):
+    """A configuration whose rank needs more memory than the device has (exit status 2)."""
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        description="Plan a training run: memory per rank, collectives, FLOPs, capacity.",
+        epilog="examples:\n" + EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", required=True, help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable), e.g. -o Loss.num_classes=2000000")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks of the run (default: 2 on cpu, 8 on a GPU profile)")
+    p.add_argument("--device", default="cpu",
+                   choices=("cpu", "v100-32gb", "a100-80gb", "h100-80gb"),
+                   help="device profile (default cpu: this machine, peak RSS)")
+    return p
+
+
+def run(cfg, args):
+    from plsc.config import ConfigError
+    from plsc.train.plan import fits, plan
+    from plsc.train.plan.report import does_not_fit, render
+    ranks = args.ranks if args.ranks is not None else (2 if args.device == "cpu" else 8)
+    try:
+        p = plan(cfg, ranks, args.device)
+    except (KeyError, ValueError) as err:  # no measured activations, a bad --ranks
+        raise ConfigError(str(err).strip("'\"")) from None
+    if not fits(p):
+        raise DoesNotFit(does_not_fit(p))
+    print(render(p))
+    return 0
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    return run_tool(args, run, args, expected=(DoesNotFit,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
