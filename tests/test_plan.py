@@ -88,3 +88,24 @@ def test_tool_help_shows_three_examples():
     done = _tool("--help")
     assert done.returncode == 0
     assert done.stdout.count("python tools/plan.py -c") == 3
+
+
+def test_peer_head_bytes_equal_a_direct_count_of_its_arrays():
+    """arcface_torch's head (plan/peers.py) against the arrays of its code counted here by hand:
+    C classes a rank, S = int(0.1 C) sampled, N gathered samples, d, 4-byte floats."""
+    from plsc.train.plan import peers
+    C, d, N, world = 1000, 16, 64, 8
+    S, rows = 100, 8
+    v1 = peers.head_phases("v1", C, d, 0.1, N, world)
+    # weight, weight_mom; sub_weight, its momentum, normalize(sub_weight); logits, the
+    # clone saved by acos_, logits_exp, the incoming gradient, acos' six temporaries; the
+    # margin's one-hot and grad[index] rows
+    assert sum(v1["backward"].values()) == 4 * (2 * C * d + 3 * S * d + 10 * N * S + 2 * rows * S)
+    # weight, weight_mom; sub_weight, its momentum, its gradient, SGD's weight-decay copy
+    assert sum(v1["step"].values()) == 4 * (2 * C * d + 4 * S * d)
+    v2 = peers.head_phases("v2", C, d, 0.1, N, world, "sgd")
+    assert sum(v2["step"].values()) == 4 * 4 * C * d  # weight, dense grad, momentum, wd copy
+    v2 = peers.head_phases("v2", C, d, 0.1, N, world, "adamw")
+    assert sum(v2["step"].values()) == 4 * 5 * C * d  # weight, grad, two moments, sqrt copy
+    assert peers.per_class_bytes("v2", 512, 0.1, 1024, 8) == 16 * 512
+    assert peers.head_peak("v1", C, d, 0.1, N, world)[0] == "backward"
