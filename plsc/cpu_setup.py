@@ -10,7 +10,13 @@ capped by a cgroup CPU quota) divided by the ranks on its node, at least 1. `app
 count to Paddle and to plsc's own kernels (`plsc.cpu_kernels`).
 
 **Malloc.** `keep_freed_memory` lets glibc keep freed blocks up to 1 GiB for reuse instead of
-unmapping them (``PLSC_MALLOC=keep`` leaves malloc alone).
+unmapping them (``PLSC_MALLOC=keep`` leaves malloc alone). Kept blocks stay resident even where
+the steps that follow never reuse them: the first steps of a run place their tensors
+differently from the later ones (and an evaluation or a checkpoint differently again), and
+leave holes in the heap that only they touched. `release_freed_memory` gives those pages back
+(glibc's ``malloc_trim``); the trainer calls it after its first `SETTLING_STEPS` steps and after
+each evaluation and checkpoint, so the memory a rank keeps is what its steps reuse
+(docs/performance.md, "Where a rank's memory goes").
 
 A run does both at its start (`plsc.runtime.start`). `ensure` is called when plsc builds a
 model, a head or a sparse-row optimizer: the first call in a process that has not chosen does
@@ -24,12 +30,17 @@ import logging
 import math
 import os
 
-__all__ = ["usable_cores", "choose", "apply", "keep_freed_memory", "ensure", "paddle_threads",
-           "NOTE", "MALLOC_NOTE"]
+__all__ = ["usable_cores", "choose", "apply", "keep_freed_memory", "release_freed_memory",
+           "keeps_freed_memory", "ensure", "paddle_threads", "NOTE", "MALLOC_NOTE",
+           "SETTLING_STEPS"]
 
 NOTE = None  # the line `apply` logged last ("CPU threads per rank: n (why)"), None before
 MALLOC_NOTE = None  # what `keep_freed_memory` did, likewise
 _KEEP_BYTES = 1 << 30  # freed blocks up to this size stay in the heap (mallopt's int limit: 2 GiB)
+_kept = False  # whether `keep_freed_memory` set malloc's thresholds in this process
+# Steps after which a run gives malloc's free pages back: in the IResNet18 run of
+# docs/performance.md the pages a step touches stop growing from the third step on.
+SETTLING_STEPS = 3
 _LAUNCH_KEYS = ("PADDLE_TRAINER_ID", "PADDLE_LOCAL_SIZE", "PADDLE_TRAINERS_NUM")
 _log = logging.getLogger("plsc.cpu_setup")
 
@@ -130,7 +141,7 @@ def keep_freed_memory(environ=os.environ):
     page fault per 4 KiB). Sets M_MMAP_THRESHOLD and M_TRIM_THRESHOLD to 1 GiB with mallopt;
     `PLSC_MALLOC=keep` leaves malloc as it is. Returns (and keeps in `MALLOC_NOTE`) a line for
     the log, None off glibc."""
-    global MALLOC_NOTE
+    global MALLOC_NOTE, _kept
     if environ.get("PLSC_MALLOC", "").lower() == "keep":
         MALLOC_NOTE = "malloc: left as it is (PLSC_MALLOC=keep)"
         return MALLOC_NOTE
@@ -141,9 +152,31 @@ def keep_freed_memory(environ=os.environ):
               and libc.mallopt(trim_threshold, ctypes.c_int(_KEEP_BYTES)) == 1)
     except (OSError, AttributeError):
         return None
+    _kept = _kept or ok
     MALLOC_NOTE = ("malloc: freed blocks up to 1 GiB kept for reuse (PLSC_MALLOC=keep turns "
                    "this off)" if ok else "malloc: glibc refused mallopt; left as it is")
     return MALLOC_NOTE
+
+
+def keeps_freed_memory():
+    """Whether `keep_freed_memory` set malloc's thresholds in this process."""
+    return _kept
+
+
+def release_freed_memory():
+    """Give the free pages malloc keeps back to the system (glibc's ``malloc_trim(0)``: the free
+    top of each heap is returned and whole free pages inside it are dropped; blocks in use stay
+    where they are). Only in a process whose malloc `keep_freed_memory` set (otherwise glibc
+    trims on its own); returns whether it ran. A page given back and reused later costs a page
+    fault then, so a run calls this only when the pages a step touches may have changed (its
+    first steps, after an evaluation or a checkpoint), not every step."""
+    if not _kept:
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def ensure():

@@ -130,3 +130,43 @@ def test_other_dtypes_and_layouts_take_paddle():
 def test_library_is_paddles_onednn_3():
     assert onednn.available(), "Paddle's CPU wheel bundles libdnnl.so.3"
     assert onednn.version().split(".")[0] == "3"
+
+
+def test_plans_share_scratch_bounded_by_the_largest_geometry():
+    """The blocked copies live in `library.SCRATCH`'s few slots, not one buffer per plan and
+    argument: smaller geometries planned after a larger one add no scratch, and the scratch is
+    at most four slots of the largest padded activation plus its weights' copies."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    from plsc.onednn.library import SCRATCH
+
+    def step(cin, cout, hw, stride):
+        conv = Conv2D(cin, cout, 3, stride=stride, padding=1, bias_attr=False)
+        x = paddle.randn([4, cin, hw, hw])
+        x.stop_gradient = False
+        if not takes_onednn(x, conv.weight):
+            pytest.skip("the CPU kernel set is not in use")
+        conv(x).sum().backward()
+
+    SCRATCH.release()
+    step(32, 32, 40, 1)
+    big = onednn.scratch_bytes()
+    activation = 4 * 32 * 40 * 40 * 4  # bytes of the largest input or output
+    weights = 32 * 32 * 3 * 3 * 4
+    assert 0 < big <= 4 * (2 * activation + 2 * weights)  # padding at most doubles a copy
+    for cin, cout, hw, stride in [(16, 32, 20, 2), (32, 16, 12, 1), (16, 16, 24, 1), (8, 32, 16, 2)]:
+        step(cin, cout, hw, stride)
+    assert onednn.scratch_bytes() == big
+
+
+def test_scratch_slots_grow_and_release():
+    from plsc.onednn.library import Scratch
+    s = Scratch()
+    a = s.address("a", 10_000)
+    assert a % 4096 == 0 and s.nbytes() == 12_288
+    assert s.address("a", 5_000) == a  # large enough: the same buffer
+    s.address("a", 50_000)
+    s.address("b", 1)
+    assert s.nbytes() == 53_248 + 4096
+    s.release()
+    assert s.nbytes() == 0

@@ -114,3 +114,43 @@ def test_a_users_loop_keeps_freed_memory_as_a_run_does():
     for what, code in LOOP.items():
         assert _fewest_faults(code, pages // 10) < pages // 10, what
     assert _faults(LOOP["head"], PLSC_MALLOC="keep") > pages // 2  # the user's opt-out
+
+
+# Freed heap blocks below a live one (so not the heap's top, which glibc trims itself): kept
+# resident by `keep_freed_memory`, given back by `release_freed_memory`. Prints whether it ran
+# and the MiB VmRSS fell.
+RELEASE = """
+import ctypes
+from plsc import cpu_setup
+cpu_setup.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+blocks = [libc.malloc(8 << 20) for _ in range(32)]
+guard = libc.malloc(2 << 20)  # above the blocks: their free space is not the heap's top
+for b in blocks:
+    ctypes.memset(b, 1, 8 << 20)
+for b in blocks:
+    libc.free(b)
+kept = rss()
+print(cpu_setup.release_freed_memory(), kept - rss())
+"""
+
+
+def _release(**env):
+    base = {k: v for k, v in os.environ.items() if k not in ("PLSC_MALLOC",)}
+    out = subprocess.run([sys.executable, "-c", RELEASE], env=dict(base, PYTHONPATH=ROOT, **env),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ran, fell = out.stdout.split()[-2:]
+    return ran == "True", float(fell)
+
+
+def test_release_gives_back_the_free_pages_malloc_keeps():
+    ran, fell = _release()
+    assert ran and fell > 128  # of the 256 MiB freed (their pages; the chunk headers stay)
+    ran, fell = _release(PLSC_MALLOC="keep")  # malloc left alone: nothing to release
+    assert not ran

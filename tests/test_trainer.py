@@ -258,3 +258,15 @@ def test_trainer_schedule_takes_the_warmup_indexing(tmp_path, data_root):
         [0.2 * (1 - (i - w) / (t - w)) for i in range(w + 1, t)]
     assert rates["arcface_torch"] == pytest.approx(torch_like, rel=1e-12)
     assert rates["plsc"][:w] == pytest.approx([0.2 * (i + 1) / w for i in range(w)], rel=1e-12)
+
+
+def test_malloc_pages_released_after_the_first_steps_and_saves(tmp_path, data_root, monkeypatch):
+    """cpu_setup.release_freed_memory runs after the first SETTLING_STEPS steps and after each
+    checkpoint or evaluation, not after every step, nor after the last."""
+    from plsc import cpu_setup
+    trainer = Trainer(config(data_root, str(tmp_path / "run"), Global={"max_steps": 8},
+                             Checkpoint={"interval": 5}))
+    calls = []
+    monkeypatch.setattr(cpu_setup, "release_freed_memory", lambda: calls.append(trainer.step))
+    trainer.train()
+    assert calls == list(range(1, cpu_setup.SETTLING_STEPS + 1)) + [5]

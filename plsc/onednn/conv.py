@@ -6,8 +6,9 @@ here chooses its layout; a plain input is reordered into it and a result back, b
 and the weight gradient reads the output gradient the data gradient already reordered.
 
 One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias) holds the
-primitives and the scratch buffers of the blocked layouts; plans are built on first use and kept
-for the process. oneDNN runs on the OpenMP threads Paddle runs on. The layer that chooses
+primitives and their reorders; plans are built on first use and kept for the process. The
+blocked copies live in scratch buffers all plans share (`library.SCRATCH`, four slots grown to
+the largest geometry's sizes), only for the duration of a call. oneDNN runs on the OpenMP threads Paddle runs on. The layer that chooses
 between this and Paddle's `conv2d` is `plsc.models.conv.Conv2D`.
 """
 import ctypes
@@ -15,12 +16,19 @@ import ctypes
 from .library import (ARG_BIAS, ARG_DIFF_BIAS, ARG_DIFF_DST, ARG_DIFF_SRC, ARG_DIFF_WEIGHTS,
                       ARG_DST, ARG_SRC, ARG_WEIGHTS, CONVOLUTION_DIRECT, FORWARD_TRAINING,
                       QUERY_DIFF_DST, QUERY_DIFF_SRC, QUERY_DIFF_WEIGHTS, QUERY_DST, QUERY_SRC,
-                      QUERY_WEIGHTS, TAG_A, TAG_ABCD, TAG_ABCDE, TAG_ANY, Arg, dims, engine,
+                      QUERY_WEIGHTS, SCRATCH, TAG_A, TAG_ABCD, TAG_ABCDE, TAG_ANY, Arg, dims, engine,
                       execute, lib, md, memory, ok, primitive, set_handle, vp)
 
-__all__ = ["plan", "plan_count", "conv_forward", "conv_backward"]
+__all__ = ["plan", "plan_count", "scratch_bytes", "conv_forward", "conv_backward"]
 
 _plans = {}
+# The shared scratch slot (`library.SCRATCH`) of each argument. No primitive has two arguments
+# in one slot, and the one thing a call carries from one primitive to the next, the output
+# gradient the data gradient staged ("b") for the weight gradient, is in a slot the weight
+# gradient does not write; the data gradient's result ("a") is copied out before the weight
+# gradient stages its input there.
+_SLOTS = {"src": "a", "diff_src": "a", "dst": "b", "diff_dst": "b", "weights": "w",
+          "diff_weights": "dw"}
 
 
 class _Plan:
@@ -59,11 +67,12 @@ class _Plan:
 
     def _args(self, pd, roles):
         """{role: Arg} for (query, is an input) by role name ("diff_" roles use the plain
-        layout of the role they are the gradient of)."""
+        layout of the role they are the gradient of; `_SLOTS` their scratch buffer)."""
         args = {}
         for role, (query, is_input) in roles.items():
             wanted = lib().dnnl_primitive_desc_query_md(pd, query, 0)
-            args[role] = Arg(self.plain[role.replace("diff_", "")], wanted, is_input)
+            args[role] = Arg(self.plain[role.replace("diff_", "")], wanted, is_input,
+                             _SLOTS[role])
         return args
 
     def _backward_data(self):
@@ -143,6 +152,11 @@ def plan(x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias):
 def plan_count():
     """Geometries planned so far in this process."""
     return len(_plans)
+
+
+def scratch_bytes():
+    """Bytes of the scratch buffers the plans share (`library.SCRATCH`)."""
+    return SCRATCH.nbytes()
 
 
 def conv_forward(p, x_ptr, w_ptr, b_ptr, y_ptr):

@@ -4,12 +4,13 @@ descriptors and objects on the tensors' own memory, reorders and execution on on
 
 `plsc.onednn.conv` and `plsc.onednn.rows` build their primitives from these pieces."""
 import ctypes
+import mmap
 import os
 
 import numpy as np
 
 __all__ = ["available", "version", "lib", "engine", "ok", "md", "memory", "set_handle", "primitive",
-           "reorder", "execute", "Arg", "dims", "vp", "dims_t", "F32"]
+           "reorder", "execute", "Arg", "Scratch", "SCRATCH", "dims", "vp", "dims_t", "F32"]
 
 # Values of oneDNN 3.x's C enums (dnnl_types.h / dnnl_common_types.h), checked against the
 # library's own dnnl_*2str at load (`_check_enums`).
@@ -184,45 +185,88 @@ def md(shape, tag):
     return md
 
 
+class Scratch:
+    """Buffers of the blocked layouts a primitive reads or writes, shared by every plan: one per
+    slot (a name), grown to the largest size asked of it and kept for the process.
+
+    A plan's arguments are staged into these only for the duration of one call (reorder in,
+    execute, reorder out), and the calls run one at a time, so the plans of a whole network
+    need no more than a few buffers of its largest activation (before, each plan kept one per
+    argument for the process: 2.8 GB at IResNet18's 112 px and batch 32, see
+    docs/performance.md). Not thread-safe: a process's oneDNN calls run on one thread."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def address(self, slot, nbytes):
+        """The address of slot `slot`'s buffer of at least `nbytes` bytes (page-aligned)."""
+        held = self._buffers.get(slot)
+        if held is None or len(held[0]) < nbytes:
+            if held is not None:
+                held[0].close()  # the old one goes before the larger one is taken
+            # a private mapping of its own, not malloc's heap: a long-lived block taken in the
+            # middle of a step's tensors would split the heap around it (docs/performance.md)
+            buf = mmap.mmap(-1, max(1, -(-int(nbytes) // 4096)) * 4096,
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            view = ctypes.c_char.from_buffer(buf)
+            held = self._buffers[slot] = (buf, ctypes.addressof(view))
+            del view  # no export left: the mapping can be closed
+        return held[1]
+
+    def nbytes(self):
+        """Bytes held by every slot."""
+        return sum(len(buf) for buf, _ in self._buffers.values())
+
+    def release(self):
+        """Unmap every buffer (the next call maps them again)."""
+        for buf, _ in self._buffers.values():
+            buf.close()
+        self._buffers.clear()
+
+
+SCRATCH = Scratch()
+
+
 class Arg:
     """One argument of a primitive: the plain layout Paddle holds, the one the primitive
-    wants, and when they differ the reorder between them and a scratch buffer of the latter."""
+    wants, and when they differ the reorder between them and the `SCRATCH` slot that holds the
+    latter during a call."""
 
-    def __init__(self, plain, wanted, to_wanted):
+    def __init__(self, plain, wanted, to_wanted, slot):
         self.plain = plain
         self.wanted = wanted
+        self.slot = slot
         self.same = bool(_lib.dnnl_memory_desc_equal(plain, wanted))
         self.memory = memory(wanted)
-        self.buffer = None
+        self.nbytes = 0
         self.reorder = None
         self.plain_memory = None
         self.staged = None  # the address the primitive reads, after `stage_in`
         if not self.same:
-            self.buffer = np.empty(_lib.dnnl_memory_desc_get_size(wanted) // 4 + 16, np.float32)
+            self.nbytes = _lib.dnnl_memory_desc_get_size(wanted)
             self.plain_memory = memory(plain)
             src, dst = (plain, wanted) if to_wanted else (wanted, plain)
             self.reorder = reorder(src, dst)
-            set_handle(self.memory, self.buffer.ctypes.data)
 
     def stage_in(self, ptr, staged_by=None):
         """Point the primitive's memory at the plain data `ptr`, reordering it if needed; when
-        `staged_by` (another primitive's `Arg` of the same data) already holds it in the
-        layout this one wants, read that instead of reordering again."""
+        `staged_by` (another primitive's `Arg` of the same data, staged in this same call) already
+        holds it in the layout this one wants, read that instead of reordering again."""
         if self.same:
             self.staged = ptr
         elif staged_by is not None and _lib.dnnl_memory_desc_equal(self.wanted, staged_by.wanted):
             self.staged = staged_by.staged
         else:
+            self.staged = SCRATCH.address(self.slot, self.nbytes)
             set_handle(self.plain_memory, ptr)
-            set_handle(self.memory, self.buffer.ctypes.data)
+            set_handle(self.memory, self.staged)
             execute(self.reorder, ((ARG_FROM, self.plain_memory), (ARG_TO, self.memory)))
-            self.staged = self.buffer.ctypes.data
         set_handle(self.memory, self.staged)
 
     def bind_out(self, ptr):
-        """Point the primitive's output memory at `ptr` when no reorder is needed."""
-        if self.same:
-            set_handle(self.memory, ptr)
+        """Point the primitive's output memory at `ptr`, or at its scratch slot when the result
+        is reordered into `ptr` afterwards (`stage_out`)."""
+        set_handle(self.memory, ptr if self.same else SCRATCH.address(self.slot, self.nbytes))
 
     def stage_out(self, ptr):
         """Copy the primitive's output into the plain data at `ptr` when it was reordered."""

@@ -75,6 +75,7 @@ class Trainer(Checkpointing, Stopping):
         self._build_optimizers(cfg)
         self._build_outputs(cfg)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self._steps_in_process = 0  # steps taken by this process (a resumed run counts anew)
         self.skipped_in_epoch = self.skipped_total = 0  # bad samples replaced on this rank
         self._pending_skips = 0  # ... in batches loaded for a step not taken yet
         self.history = []  # (step, loss) of every optimizer step of this process
@@ -415,12 +416,20 @@ class Trainer(Checkpointing, Stopping):
 
     def _after_step(self):
         last = self.step >= self.total_steps
+        self._steps_in_process += 1
+        # malloc's free pages go back while the pages a step touches may still change: after
+        # the first steps, an evaluation or a checkpoint (cpu_setup.release_freed_memory)
+        settle = self._steps_in_process <= cpu_setup.SETTLING_STEPS
         if self.evaluator is not None and (self.step % self.cfg["Eval"]["interval"] == 0 or last):
             self.evaluate()
+            settle = True
         if self.step % self.cfg["Checkpoint"]["interval"] == 0 or last:
             self.save()
+            settle = True
             if not last:
                 self._check_grace()
+        if settle and not last:
+            cpu_setup.release_freed_memory()
 
     def evaluate(self):
         """Verify every target; keep the backbone of each target's best step so far."""
