@@ -8,7 +8,8 @@
 `LAUNCHER_RSS`: `paddle.distributed.launch`'s own process (benchmarks/peak_rss.py of the
 demo's launch).
 
-`BACKBONES`: per (model name, height, width, recompute), from
+`BACKBONES` (re-measured 2026-11-27 after the oneDNN convolutions' shared scratch and the
+trainer's malloc release, issue 48): per (model name, height, width, recompute), from
 `benchmarks/measure_backbone_memory.py --backbone NAME --image-size H W --embedding-size D
 --batch B... --eval-batch E...` (one kernel thread, malloc keeping freed blocks, the optimizer
 named): at each measured batch size, a training step's peak resident memory above the
@@ -29,23 +30,23 @@ BACKBONES = {
     # --backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256
     # --eval-batch 100 200
     ("IResNetTiny", 56, 56, False): dict(
-        train_rss={32: 306_678_912, 64: 592_419_968, 128: 1_167_903_872, 256: 2_321_517_696},
+        train_rss={32: 175_537_280, 64: 318_409_856, 128: 629_087_360, 256: 1_293_126_784},
         train_alloc={32: 74_955_848, 64: 150_543_432, 128: 301_718_600, 256: 604_068_936},
-        eval_rss={100: 308_350_976, 200: 593_260_544}),
+        eval_rss={100: 239_894_528, 200: 533_442_560}),
     # --backbone ViT_T --image-size 56 56 --embedding-size 512 --optimizer adamw --batch 32 64
     # --eval-batch 100 200
     ("ViT_T", 56, 56, False): dict(
-        train_rss={32: 286_548_992, 64: 593_462_272},
+        train_rss={32: 286_032_896, 64: 604_038_144},
         train_alloc={32: 160_154_504, 64: 358_469_256},
-        eval_rss={100: 101_134_336, 200: 185_282_560}),
+        eval_rss={100: 100_945_920, 200: 244_617_216}),
     # --backbone IResNet18 --image-size 112 112 --batch 16 32 --eval-batch 64 128
     ("IResNet18", 112, 112, False): dict(
-        train_rss={16: 2_566_328_320, 32: 5_565_128_704},
+        train_rss={16: 1_467_183_104, 32: 2_795_933_696},
         train_alloc={16: 715_574_280, 32: 1_446_939_656},
-        eval_rss={64: 3_216_269_312, 128: 6_421_233_664}),
+        eval_rss={64: 1_880_072_192, 128: 4_580_876_288}),
     # --backbone IResNet50 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet50", 112, 112, False): dict(
-        train_rss={8: 1_475_246_592, 16: 2_871_790_080},
+        train_rss={8: 806_713_856, 16: 1_585_981_952},
         train_alloc={8: 483_357_960, 16: 1_041_716_488}),
     # --backbone ViT_T --image-size 112 112 --optimizer adamw --batch 16 32 --steps 2
     ("ViT_T", 112, 112, False): dict(
@@ -53,7 +54,7 @@ BACKBONES = {
         train_alloc={16: 438_153_864, 32: 914_578_568}),
     # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet100", 112, 112, False): dict(
-        train_rss={8: 1_859_390_976, 16: 3_621_588_480},
+        train_rss={8: 1_127_792_128, 16: 2_313_719_296},
         train_alloc={8: 724_897_544, 16: 1_610_805_000}),
 }
 
