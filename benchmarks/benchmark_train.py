@@ -26,9 +26,11 @@ launch of each side; the figures are medians over the repeats.
 
 Cases (--cases): r18 (IResNet18, CosFace, dense head of --classes, default 1000, SGD), r50_pfc
 (IResNet50, ArcFace, Partial FC 0.1 over 100,000 classes, SGD), vit_t (ViT-T as in
-arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). plsc
-runs its defaults (float32 gradient all-reduce); arcface_torch sends the backbone's gradients in
-float16, as train_v2.py's DDP compression hook does.
+arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). Both
+sides send the backbone's gradients in float16: arcface_torch with train_v2.py's DDP compression
+hook, plsc with `Optimizer.grad_allreduce_dtype: float16` as its recipe configs set it
+(configs/arcface_r50.yaml, configs/wf42m_vit_t_pfc03.yaml); `--grad-allreduce-dtype float32`
+runs plsc's default instead.
 """
 import argparse
 import json
@@ -96,7 +98,7 @@ def plsc_config(spec, args, images):
             else {"margin": "cosface", "m3": m3})
     loss.update(scale=64.0, num_classes=spec["classes"], sample_ratio=spec["sample_ratio"])
     opt = {"name": spec["optimizer"], "lr": spec["lr"], "weight_decay": spec["weight_decay"],
-           "grad_clip": 5.0}
+           "grad_clip": 5.0, "grad_allreduce_dtype": args.grad_allreduce_dtype}
     if spec["optimizer"] == "sgd":
         opt["momentum"] = 0.9
     return {"Global": {"seed": 0, "device": "cpu", "cpu_threads": THREADS,
@@ -238,6 +240,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=32, help="images per rank (2 ranks)")
     p.add_argument("--workers", type=int, default=2, help="loader workers per rank, both sides")
     p.add_argument("--classes", type=int, help="override every case's number of classes")
+    p.add_argument("--grad-allreduce-dtype", default="float16", choices=("float16", "float32"),
+                   help="plsc's Optimizer.grad_allreduce_dtype (float16: its recipe configs', "
+                        "as arcface_torch's compression hook)")
     p.add_argument("--per-identity", type=int, default=20, help="images per identity")
     p.add_argument("--workdir", default=os.path.join(REPO, "output", "benchmark_train"),
                    help="images (cached) and the runs' folders")
@@ -294,6 +299,7 @@ def main(argv=None):
     doc = {"paddle": version("paddlepaddle"), "ranks": RANKS, "threads_per_rank": THREADS, "batch_per_rank": args.batch,
            "global_batch": global_batch, "warmup_steps": args.warmup, "timed_steps": args.steps,
            "repeats": args.repeats, "loader_workers_per_rank": args.workers,
+           "plsc_grad_allreduce_dtype": args.grad_allreduce_dtype,
            "images": {"root": images, "identities": identities, "per_identity": per},
            "load_average_at_start": os.getloadavg(), "cases": {}}
     for name in args.cases:

@@ -63,6 +63,8 @@ def child(args):
             model(x).sum().backward()
             opt.step()
             opt.clear_grad(set_to_zero=False)
+            if args.release:  # as the trainer does after each of its first steps
+                cpu_setup.release_freed_memory()
         else:
             with paddle.no_grad():
                 model(x)
@@ -77,6 +79,7 @@ def _run(args, mode, batch):
            str(batch), "--backbone", args.backbone, "--image-size", *map(str, args.image_size),
            "--optimizer", args.optimizer, "--steps", str(args.steps),
            "--embedding-size", str(args.embedding_size)] + (["--recompute"] if args.recompute else [])
+    cmd += [] if args.release else ["--no-release"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -99,6 +102,9 @@ def main(argv=None):
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-release", dest="release", action="store_false",
+                   help="keep malloc's freed blocks between steps (the trainer gives them back "
+                        "after each of its first steps: cpu_setup.release_freed_memory)")
     p.add_argument("--child", action="store_true")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
     args = p.parse_args(argv)

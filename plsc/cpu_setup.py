@@ -14,8 +14,9 @@ unmapping them (``PLSC_MALLOC=keep`` leaves malloc alone). Kept blocks stay resi
 the steps that follow never reuse them: the first steps of a run place their tensors
 differently from the later ones (and an evaluation or a checkpoint differently again), and
 leave holes in the heap that only they touched. `release_freed_memory` gives those pages back
-(glibc's ``malloc_trim``); the trainer calls it after its first `SETTLING_STEPS` steps and after
-each evaluation and checkpoint, so the memory a rank keeps is what its steps reuse
+(glibc's ``malloc_trim``); the trainer calls it after its first `SETTLING_STEPS` steps, before
+and after each evaluation and after each checkpoint, so the memory a rank keeps is what its
+steps reuse and an evaluation's batches do not add to the step's freed blocks
 (docs/performance.md, "Where a rank's memory goes").
 
 A run does both at its start (`plsc.runtime.start`). `ensure` is called when plsc builds a

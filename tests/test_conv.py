@@ -170,3 +170,32 @@ def test_scratch_slots_grow_and_release():
     assert s.nbytes() == 53_248 + 4096
     s.release()
     assert s.nbytes() == 0
+
+
+def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch):
+    """Under `paddle.no_grad` (an evaluation) a batch whose blocked copies exceed what the
+    scratch holds runs in pieces of samples: the scratch does not grow to the batch, and the
+    output equals Paddle's conv2d and the one-call forward."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    from plsc.onednn import conv as onednn_conv
+    from plsc.onednn.library import SCRATCH
+    paddle.seed(3)
+    conv = Conv2D(8, 16, 3, stride=1, padding=1)
+    x = paddle.randn([13, 8, 20, 20])
+    if not takes_onednn(x, conv.weight):
+        pytest.skip("the CPU kernel set is not in use")
+    with paddle.no_grad():
+        want = F.conv2d(x, conv.weight, conv.bias, padding=1).numpy()
+        SCRATCH.release()
+        whole = conv(x).numpy()  # the default budget takes the batch in one call
+        whole_bytes = onednn.scratch_bytes()
+        SCRATCH.release()
+        per_sample = 16 * 20 * 20 * 4  # the largest plain activation of one sample
+        monkeypatch.setattr(onednn_conv, "NO_GRAD_CALL_BYTES", 3 * per_sample)
+        plan = onednn.plan(x.shape, conv.weight.shape, (1, 1), (1, 1), (1, 1), (1, 1), 1, True)
+        assert 1 < onednn.samples_per_call(plan, 13) < 13
+        pieces = conv(x).numpy()
+        assert onednn.scratch_bytes() < whole_bytes / 2
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(pieces, whole)

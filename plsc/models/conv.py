@@ -63,14 +63,37 @@ class _OneDNNConv2D(PyLayer):
         return grads + ((db if need_b else None),) if ctx.has_bias else grads
 
 
+def _forward_no_grad(x, weight, bias, geometry):
+    """The convolution without an autograd record, the batch in pieces of
+    `onednn.samples_per_call` samples (each sample's output depends on that sample alone)."""
+    x, weight = _dense(x), _dense(weight)
+    full = onednn.plan(x.shape, weight.shape, *geometry, bias is not None)
+    y = paddle.empty(full.out_shape, dtype=paddle.float32)
+    n = int(x.shape[0])
+    step = onednn.samples_per_call(full, n)
+    x_bytes, y_bytes = 4 * int(x.size) // max(n, 1), 4 * int(y.size) // max(n, 1)
+    b_ptr = None if bias is None else bias.data_ptr()
+    for lo in range(0, n, step):
+        k = min(step, n - lo)
+        plan = full if k == n else onednn.plan((k,) + tuple(x.shape[1:]), weight.shape,
+                                               *geometry, bias is not None)
+        onednn.conv_forward(plan, x.data_ptr() + lo * x_bytes, weight.data_ptr(), b_ptr,
+                            y.data_ptr() + lo * y_bytes)
+    return y
+
+
 class Conv2D(nn.Conv2D):
-    """`paddle.nn.Conv2D` (NCHW) whose CPU float32 forward and backward run through oneDNN."""
+    """`paddle.nn.Conv2D` (NCHW) whose CPU float32 forward and backward run through oneDNN;
+    under `paddle.no_grad` (an evaluation) the forward alone, in pieces of the batch that keep
+    oneDNN's shared scratch at the size training gave it."""
 
     def forward(self, x):
         padding = _explicit_padding(self)
         if padding is None or not takes_onednn(x, self.weight):
             return super().forward(x)
         geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
+        if not paddle.is_grad_enabled():
+            return _forward_no_grad(x, self.weight, self.bias, geometry)
         return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry)
 
 

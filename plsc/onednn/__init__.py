@@ -4,8 +4,9 @@
 convolutions of the backbones; `rows` softmax and LayerNorm over the last axis. The layers that
 choose between these and Paddle's own ops live in `plsc.models` (`conv`, `rows`).
 """
-from .conv import conv_backward, conv_forward, plan, plan_count, scratch_bytes
+from .conv import (conv_backward, conv_forward, plan, plan_count, samples_per_call,
+                   scratch_bytes)
 from .library import available, version
 
-__all__ = ["available", "version", "plan", "plan_count", "scratch_bytes", "conv_forward",
-           "conv_backward"]
+__all__ = ["available", "version", "plan", "plan_count", "scratch_bytes", "samples_per_call",
+           "conv_forward", "conv_backward"]

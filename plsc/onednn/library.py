@@ -213,6 +213,10 @@ class Scratch:
             del view  # no export left: the mapping can be closed
         return held[1]
 
+    def held(self, slot):
+        """Bytes slot `slot` holds now (0 before its first use)."""
+        return len(self._buffers[slot][0]) if slot in self._buffers else 0
+
     def nbytes(self):
         """Bytes held by every slot."""
         return sum(len(buf) for buf, _ in self._buffers.values())

@@ -368,6 +368,7 @@ class Trainer(Checkpointing, Stopping):
         if self.evaluator is not None and cfg["Eval"]["before_training"] and self.step == 0:
             with self._rank_failures(starting=True):
                 self.evaluate()
+            cpu_setup.release_freed_memory()  # the steps do not start among its freed blocks
         with StopSignals() as stop, self._rank_failures():
             self._check_grace(probe=True)
             while self.step < self.total_steps:
@@ -421,7 +422,8 @@ class Trainer(Checkpointing, Stopping):
         # the first steps, an evaluation or a checkpoint (cpu_setup.release_freed_memory)
         settle = self._steps_in_process <= cpu_setup.SETTLING_STEPS
         if self.evaluator is not None and (self.step % self.cfg["Eval"]["interval"] == 0 or last):
-            self.evaluate()
+            cpu_setup.release_freed_memory()  # the evaluation's batches do not fit the step's
+            self.evaluate()                   # freed blocks: it would add to what they keep
             settle = True
         if self.step % self.cfg["Checkpoint"]["interval"] == 0 or last:
             self.save()

@@ -8,13 +8,17 @@
 `LAUNCHER_RSS`: `paddle.distributed.launch`'s own process (benchmarks/peak_rss.py of the
 demo's launch).
 
-`BACKBONES` (re-measured 2026-11-27 after the oneDNN convolutions' shared scratch and the
-trainer's malloc release, issue 48): per (model name, height, width, recompute), from
+`BACKBONES` (re-measured 2026-11-27 after issue 48's memory changes: the oneDNN convolutions'
+shared scratch, the trainer's release of malloc's free pages, an evaluation's convolutions in
+pieces of the batch): per (model name, height, width, recompute), from
 `benchmarks/measure_backbone_memory.py --backbone NAME --image-size H W --embedding-size D
---batch B... --eval-batch E...` (one kernel thread, malloc keeping freed blocks, the optimizer
-named): at each measured batch size, a training step's peak resident memory above the
-parameters, gradients and optimizer state (`train_rss`), the same for Paddle's allocator
-(`train_alloc`: what a device allocates, float32), and an evaluation forward's (`eval_rss`).
+--batch B... --eval-batch E...` (one kernel thread, malloc keeping freed blocks and given back
+after each step as the trainer does after its first steps, the optimizer named): at each
+measured batch size, a training step's peak resident memory above the parameters, gradients and
+optimizer state (`train_rss`), the same for Paddle's allocator (`train_alloc`: what a device
+allocates, float32), and an evaluation's (`eval_rss`: `--steps 10`, the forwards of the demo's
+evaluation, 1,000 images and their flips a rank; the median of three processes, since where
+malloc places the batches moves it by up to a quarter: 428-669 MB for IResNetTiny at 200).
 Between measured batches the planner interpolates linearly, beyond them it extends the last
 segment (the resident set is not linear in the batch: malloc keeps freed blocks below 1 GiB
 and returns larger ones). The allocator figures are float32; with AMP on a GPU the planner
@@ -27,34 +31,35 @@ PROCESS_RSS = 332_452 * 1024
 LAUNCHER_RSS = 333_475_840
 
 BACKBONES = {
-    # --backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256
-    # --eval-batch 100 200
+    # --backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256;
+    # eval: --batch 64 --eval-batch 100 200 --steps 10 (three processes, the median)
     ("IResNetTiny", 56, 56, False): dict(
-        train_rss={32: 175_537_280, 64: 318_409_856, 128: 629_087_360, 256: 1_293_126_784},
+        train_rss={32: 137_055_360, 64: 262_757_504, 128: 513_334_400, 256: 945_089_664},
         train_alloc={32: 74_955_848, 64: 150_543_432, 128: 301_718_600, 256: 604_068_936},
-        eval_rss={100: 239_894_528, 200: 533_442_560}),
-    # --backbone ViT_T --image-size 56 56 --embedding-size 512 --optimizer adamw --batch 32 64
-    # --eval-batch 100 200
+        eval_rss={100: 219_852_800, 200: 485_941_248}),
+    # --backbone ViT_T --image-size 56 56 --embedding-size 512 --optimizer adamw --batch 32 64;
+    # eval: --batch 32 --eval-batch 100 200 --steps 10 (three processes, the median)
     ("ViT_T", 56, 56, False): dict(
-        train_rss={32: 286_032_896, 64: 604_038_144},
+        train_rss={32: 260_580_352, 64: 505_914_368},
         train_alloc={32: 160_154_504, 64: 358_469_256},
-        eval_rss={100: 100_945_920, 200: 244_617_216}),
-    # --backbone IResNet18 --image-size 112 112 --batch 16 32 --eval-batch 64 128
+        eval_rss={100: 130_473_984, 200: 215_154_688}),
+    # --backbone IResNet18 --image-size 112 112 --batch 16 32; eval: --batch 16 --eval-batch
+    # 64 128 --steps 10 (one process)
     ("IResNet18", 112, 112, False): dict(
-        train_rss={16: 1_467_183_104, 32: 2_795_933_696},
+        train_rss={16: 1_089_556_480, 32: 2_174_324_736},
         train_alloc={16: 715_574_280, 32: 1_446_939_656},
-        eval_rss={64: 1_880_072_192, 128: 4_580_876_288}),
+        eval_rss={64: 1_983_115_264, 128: 4_273_094_656}),
     # --backbone IResNet50 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet50", 112, 112, False): dict(
-        train_rss={8: 806_713_856, 16: 1_585_981_952},
+        train_rss={8: 698_870_272, 16: 1_443_273_216},
         train_alloc={8: 483_357_960, 16: 1_041_716_488}),
     # --backbone ViT_T --image-size 112 112 --optimizer adamw --batch 16 32 --steps 2
     ("ViT_T", 112, 112, False): dict(
-        train_rss={16: 624_780_288, 32: 1_327_678_464},
+        train_rss={16: 595_645_440, 32: 1_176_359_936},
         train_alloc={16: 438_153_864, 32: 914_578_568}),
     # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet100", 112, 112, False): dict(
-        train_rss={8: 1_127_792_128, 16: 2_313_719_296},
+        train_rss={8: 1_007_803_904, 16: 2_121_657_856},
         train_alloc={8: 724_897_544, 16: 1_610_805_000}),
 }
 

@@ -7,6 +7,7 @@ peak resident set (RSS) of a rank, every term a computed size or a measured figu
 from Paddle's allocator (measured in float32, halved with AMP) and a CUDA context assumed.
 """
 import copy
+import inspect
 from dataclasses import dataclass, field
 
 from . import comm, measured
@@ -62,13 +63,41 @@ def _activations(cfg, ctx):
         scale = 0.5 if ctx.amp else 1.0
         return {"backbone activations": int(scale * measured.at_batch(row["train_alloc"], b))}
     out = {"backbone activations": int(measured.at_batch(row["train_rss"], b))}
-    if cfg["Eval"]["targets"] and "eval_rss" in row:  # measured: it adds to the step's peak
-        out["evaluation forward"] = int(measured.at_batch(row["eval_rss"],
-                                                          cfg["Eval"]["batch_size"]))
+    if cfg["Eval"]["targets"] and "eval_rss" in row:
+        # The trainer gives malloc's kept blocks back before an evaluation, so the evaluation's
+        # memory and the step's do not add: the peak is the larger of the two.
+        extra = measured.at_batch(row["eval_rss"], cfg["Eval"]["batch_size"]) - out[
+            "backbone activations"]
+        out["evaluation forward beyond the step's activations"] = max(0, int(extra))
     elif cfg["Eval"]["targets"]:
         ctx.notes.append(f"the evaluation's memory is not measured for {cfg['Model']['name']}: "
                          "left out")
     return out
+
+
+# Images in insightface's verification packs (two a pair: LFW, CALFW, CPLFW and AgeDB-30 hold
+# 6,000 pairs, CFP 7,000 each protocol, VGG2-FP 5,000).
+PACK_IMAGES = {"lfw": 12_000, "calfw": 12_000, "cplfw": 12_000, "agedb_30": 12_000,
+               "cfp_fp": 14_000, "cfp_ff": 14_000, "vgg2_fp": 10_000}
+
+
+def _default_pairs():
+    from ...data.synthetic import generate
+    return inspect.signature(generate).parameters["num_pairs"].default
+
+
+def _packs(cfg, ctx):
+    """The evaluator keeps each target's decoded images (float32 [2P, 3, H, W]) for the run."""
+    h, w = cfg["Data"]["image_size"]
+    images = 0
+    for target in cfg["Eval"]["targets"]:
+        if target in PACK_IMAGES:
+            images += PACK_IMAGES[target]
+        elif cfg["Data"]["dataset"] == "synthetic" and target == "val":
+            images += 2 * cfg["Data"]["synthetic"].get("num_pairs", _default_pairs())
+        else:
+            ctx.notes.append(f"the size of verification pack {target!r} is not known: left out")
+    return {"evaluation packs, decoded": images * 3 * h * w * 4} if images else {}
 
 
 def _loader(cfg):
@@ -95,6 +124,7 @@ def memory(cfg, ctx):
     out.update(_activations(cfg, ctx))
     if not prof.gpu:
         out.update(_loader(cfg))
+        out.update(_packs(cfg, ctx))
     return out
 
 
