@@ -89,14 +89,28 @@ def dequantize_rows(codes, scale, out, pairs64):
 _local = threading.local()  # each kernel thread's buffers (fresh arrays cost page faults)
 
 
+_KINDS = {"y": np.float32, "up": np.bool_, "c": np.uint8, "w": "<u2",
+          **{k: np.int32 for k in ("a", "low", "high", "g", "q", "m")}}
+
+
+class _Buffers(dict):
+    """Flat buffers of `n` values by name ("w": n/2 + 1), each made on its first use: a
+    linear-map write takes three of them, a logarithmic one all ten."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __missing__(self, key):
+        out = self[key] = np.empty(self.n // 2 + 1 if key == "w" else self.n, _KINDS[key])
+        return out
+
+
 def _buffers(n):
     """Named flat buffers of at least `n` values, this thread's, reused across calls."""
     have = getattr(_local, "buffers", None)
-    if have is None or have["y"].size < n:
-        have = _local.buffers = {
-            "y": np.empty(n, np.float32), "up": np.empty(n, np.bool_),
-            "c": np.empty(n, np.uint8), "w": np.empty(n // 2 + 1, "<u2"),
-            **{k: np.empty(n, np.int32) for k in ("a", "low", "high", "g", "q", "m")}}
+    if have is None or have.n < n:
+        have = _local.buffers = _Buffers(n)
     return have
 
 
