@@ -7,7 +7,7 @@ tensors' own memory (DLPack, no copy), in slabs of rows that stay in cache, spli
 rank's CPU threads:
 
     forward   y = max(x, a·x)                       (= x if x > 0 else a·x, for 0 ≤ a ≤ 1)
-    backward  dx = g·s,  s = [x > 0]·(1 − a) + a     (s is exactly 1 or a for 0 ≤ a ≤ 1)
+    backward  dx = g·s,  s = max([x > 0], a)         (s is exactly 1 or a for 0 ≤ a ≤ 1)
               da = Σ g·min(x, 0)   over batch and space, per channel
 
 `y` and `dx` equal Paddle's kernel bit for bit; `da` is the same sum in another order (each
@@ -16,6 +16,8 @@ order, so it does not depend on the thread count). Other inputs (other devices, 
 channels-last, a slope outside [0, 1]) and static graphs (export) use
 `paddle.nn.functional.prelu`.
 """
+import functools
+
 import numpy as np
 import paddle
 from paddle import nn
@@ -38,6 +40,15 @@ def _run(fn, rows, width):
     def slab(lo, hi):
         fn(lo, hi, np.empty((hi - lo, width), np.float32))
     run_rows(slab, rows, max(1, _SLAB // max(1, width)))
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(rows, width):
+    """A read-only float32 zero slab: numpy compares with an array several times faster than
+    with a scalar (2.4: 12 against 24 µs a 256 KiB slab)."""
+    out = np.zeros((rows, width), np.float32)
+    out.flags.writeable = False
+    return out
 
 
 def _row_slopes(slope, shape):
@@ -65,16 +76,14 @@ class _FastPReLU(PyLayer):
         d_x = paddle.empty(x.shape, dtype=x.dtype)
         xr, gr, dr = _rows(x), _rows(grad), _rows(d_x)
         a = _row_slopes(slope, x.shape)
-        one_minus_a = 1 - a
         row_sums = np.empty(xr.shape[0], np.float32)
 
         def bwd(lo, hi, tmp):
             xs, gs = xr[lo:hi], gr[lo:hi]
-            np.greater(xs, 0, out=tmp, casting="unsafe")
-            np.multiply(tmp, one_minus_a[lo:hi], out=tmp)
-            np.add(tmp, a[lo:hi], out=tmp)
+            np.greater(xs, np.float32(0), out=tmp, casting="unsafe")
+            np.maximum(tmp, a[lo:hi], out=tmp)  # 1 where x > 0, else a
             np.multiply(gs, tmp, out=dr[lo:hi])
-            np.minimum(xs, 0, out=tmp)
+            np.minimum(xs, _zeros(*tmp.shape), out=tmp)
             np.einsum("ri,ri->r", gs, tmp, out=row_sums[lo:hi])
         _run(bwd, xr.shape[0], xr.shape[1])
         per_channel = row_sums.reshape(x.shape[0], -1).sum(axis=0)
