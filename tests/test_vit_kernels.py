@@ -170,3 +170,16 @@ def test_block_training_step_is_the_same_on_both_sets(monkeypatch):
     _close(dx_cpu, dx_dev, "dx", rtol=1e-4)
     for name in g_dev:
         _close(g_cpu[name], g_dev[name], name, rtol=1e-4)
+
+
+def test_add_to_every_sample_matches_numpy(kernels):
+    from plsc.models.residual import add_to_every_sample
+    rng = np.random.RandomState(8)
+    x64, p64 = rng.normal(0, 1, (5, 4, 3)), rng.normal(0, 1, (1, 4, 3))
+    x, p = _leaf(x64), _leaf(p64)
+    out = add_to_every_sample(x, p)
+    _close(out.numpy(), x64 + p64, "out")
+    upstream = rng.normal(0, 1, out.shape)
+    (out * paddle.to_tensor(upstream.astype("float32"))).sum().backward()
+    _close(x.grad.numpy(), upstream, "dx")
+    _close(p.grad.numpy(), upstream.sum(0, keepdims=True), "dp")

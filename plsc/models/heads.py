@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy, run_rows, threads
+from ..cpu_kernels import applies, as_numpy, run_split
 
 __all__ = ["split_heads", "takes_heads_path"]
 
@@ -22,11 +22,6 @@ __all__ = ["split_heads", "takes_heads_path"]
 def takes_heads_path(qkv):
     """True when `split_heads` runs as the numpy PyLayer (see the module docstring)."""
     return paddle.in_dynamic_mode() and applies(qkv) and qkv.ndim == 3
-
-
-def _by_samples(fn, batch):
-    """fn(lo, hi) over the samples [0, batch), in one slab per kernel thread."""
-    run_rows(fn, batch, -(-batch // threads()))
 
 
 class _SplitHeads(PyLayer):
@@ -43,7 +38,7 @@ class _SplitHeads(PyLayer):
             np.multiply(src[lo:hi, :, 0].transpose(0, 2, 1, 3), factor, out=dst[0][lo:hi])
             for j in (1, 2):
                 np.copyto(dst[j][lo:hi], src[lo:hi, :, j].transpose(0, 2, 1, 3))
-        _by_samples(copy, batch)
+        run_split(copy, batch)
         ctx.shape, ctx.factor = (batch, length, 3, heads, d), factor
         return tuple(outs)
 
@@ -63,7 +58,7 @@ class _SplitHeads(PyLayer):
                     np.multiply(g[lo:hi].transpose(0, 2, 1, 3), ctx.factor, out=part)
                 else:
                     np.copyto(part, g[lo:hi].transpose(0, 2, 1, 3))
-        _by_samples(copy, batch)
+        run_split(copy, batch)
         return out
 
 

@@ -36,7 +36,7 @@ from .layers import as_hw, count_parameters, linear_default_attrs
 from .linear import Linear
 from .linear_relu6 import linear_relu6, takes_linear_relu6_path
 from .permute import permute
-from .residual import residual_add, takes_residual_path
+from .residual import add_to_every_sample, residual_add, takes_residual_path
 from .rows import LayerNorm, softmax_last
 from .recompute import run_blocks
 from .. import cpu_setup
@@ -308,7 +308,7 @@ class VisionTransformer(nn.Layer):
 
     def forward_features(self, x):
         """Images -> the flattened tokens `[B, L·D]` after the final norm."""
-        x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
+        x = self.pos_drop(add_to_every_sample(self.patch_embed(x), self.pos_embed))
         masking = self.training and self.mask_ratio > 0
         if masking:
             x, ids_restore = self.random_masking(x)
