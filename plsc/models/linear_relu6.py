@@ -27,7 +27,7 @@ def takes_linear_relu6_path(x, weight):
     return takes_gemm_path(x, weight) and onednn.available()
 
 
-class _GemmReLU6(PyLayer):
+class _GemmLinearReLU6(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
         y, rows = gemm_forward(x, weight, bias)
@@ -53,5 +53,5 @@ def linear_relu6(x, weight, bias=None):
     """ReLU6(x·W + b) (`weight` `[in, out]`, `bias` `[out]` or None; see the module
     docstring)."""
     if takes_linear_relu6_path(x, weight):
-        return _GemmReLU6.apply(x, weight, bias)
+        return _GemmLinearReLU6.apply(x, weight, bias)
     return F.relu6(F.linear(x, weight, bias))
