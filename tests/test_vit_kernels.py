@@ -183,3 +183,22 @@ def test_add_to_every_sample_matches_numpy(kernels):
     (out * paddle.to_tensor(upstream.astype("float32"))).sum().backward()
     _close(x.grad.numpy(), upstream, "dx")
     _close(p.grad.numpy(), upstream.sum(0, keepdims=True), "dp")
+
+
+@pytest.mark.parametrize("picked", [3, 6])
+def test_take_rows_per_sample_matches_numpy(picked, kernels):
+    """A part of a permutation (masking's kept tokens) and a whole one (its undoing)."""
+    from plsc.models.gather import take_rows_per_sample
+    rng = np.random.RandomState(picked)
+    x64 = rng.normal(0, 1, (4, 6, 5))
+    ids64 = np.stack([rng.permutation(6)[:picked] for _ in range(4)])
+    x = _leaf(x64)
+    out = take_rows_per_sample(x, paddle.to_tensor(ids64))
+    want = np.stack([x64[b, ids64[b]] for b in range(4)])
+    _close(out.numpy(), want, "out")
+    upstream = rng.normal(0, 1, want.shape)
+    (out * paddle.to_tensor(upstream.astype("float32"))).sum().backward()
+    dx = np.zeros_like(x64)
+    for b in range(4):
+        dx[b, ids64[b]] = upstream[b]
+    _close(x.grad.numpy(), dx, "dx")

@@ -31,6 +31,7 @@ from paddle import nn
 
 from .batchnorm import BatchNorm1D
 from .conv import Conv2D
+from .gather import take_rows_per_sample
 from .heads import split_heads, takes_heads_path
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .linear import Linear
@@ -291,12 +292,12 @@ class VisionTransformer(nn.Layer):
     def random_masking(self, x):
         """(the `tokens_kept` tokens of each sample chosen by sorting uniform noise, in noise
         order; `ids_restore`, the permutation that puts them back)."""
-        batch, length, dim = x.shape
+        batch, length, _ = x.shape
         noise = paddle.rand([batch, length], dtype="float32")
         ids_shuffle = paddle.argsort(noise, axis=1)  # ascending: the smallest noise is kept
         ids_restore = paddle.argsort(ids_shuffle, axis=1)
         ids_keep = ids_shuffle[:, :self.tokens_kept]
-        kept = paddle.take_along_axis(x, ids_keep.unsqueeze(-1).tile([1, 1, dim]), axis=1)
+        kept = take_rows_per_sample(x, ids_keep)
         return kept, ids_restore
 
     def unmask(self, x, ids_restore):
@@ -304,7 +305,7 @@ class VisionTransformer(nn.Layer):
         batch, kept, dim = x.shape
         fill = self.mask_token.astype(x.dtype).expand([batch, self.num_patches - kept, dim])
         full = paddle.concat([x, fill], axis=1)
-        return paddle.take_along_axis(full, ids_restore.unsqueeze(-1).tile([1, 1, dim]), axis=1)
+        return take_rows_per_sample(full, ids_restore)
 
     def forward_features(self, x):
         """Images -> the flattened tokens `[B, L·D]` after the final norm."""
