@@ -24,6 +24,10 @@ layout in both).
 
 Random draws (token masking, drop path, dropout) come from Paddle's global generator, so a
 checkpoint that saves `paddle.get_rng_state()` resumes them exactly.
+
+On the CPU kernel set the element-wise pieces run fused (`heads.split_heads`, q scaled as it
+is copied, so the scores equal arcface_torch's up to float32 rounding; `linear_relu6`;
+`residual`; `gather`); `PLSC_KERNELS=device` runs Paddle's ops in arcface_torch's order.
 """
 import numpy as np
 import paddle
