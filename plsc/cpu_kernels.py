@@ -20,7 +20,8 @@ import paddle
 
 from .numerics import DEVICE_SLAB_BYTES  # the device set's slab budget
 
-__all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies", "as_numpy", "run_rows", "device_slab_rows", "DEVICE_SLAB_BYTES",
+__all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies",
+           "as_numpy", "run_rows", "run_split", "device_slab_rows", "DEVICE_SLAB_BYTES",
            "row_dot", "scale_columns_", "copy_columns", "put_columns_",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
            "finite_flag"]
@@ -91,6 +92,11 @@ def run_rows(fn, rows, step):
 
 
 _VS_EXP = []  # [MKL's vsExp, or None], looked up at the first use
+
+
+def run_split(fn, n):
+    """fn(lo, hi) over [0, n) in one slab per kernel thread (e.g. a batch's samples)."""
+    run_rows(fn, n, max(1, -(-n // _threads)))
 
 
 def _exp_(a):

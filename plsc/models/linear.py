@@ -15,7 +15,7 @@ from paddle.autograd import PyLayer
 
 from ..cpu_kernels import applies
 
-__all__ = ["Linear", "takes_gemm_path"]
+__all__ = ["Linear", "takes_gemm_path", "gemm_forward", "gemm_backward", "needs_grads"]
 
 
 def takes_gemm_path(x, weight):
@@ -28,33 +28,49 @@ def _rows(t, width):
     return t.reshape([-1, width])
 
 
+def gemm_forward(x, weight, bias):
+    """(x·W + b as `[rows, out]`, x as `[rows, in]`): one GEMM, the bias as its C operand
+    (beta = 1), not a second pass."""
+    rows = _rows(x, weight.shape[0])
+    y = paddle.matmul(rows, weight) if bias is None else paddle.addmm(bias, rows, weight)
+    return y, rows
+
+
+def gemm_backward(rows, weight, g, x_shape, needs):
+    """(dx, dW, db) of y = x·W + b from the output gradient `g` (`[rows, out]`); `needs`:
+    which of the three to compute (None for the others)."""
+    need_x, need_w, need_b = needs
+    dx = paddle.matmul(g, weight, transpose_y=True).reshape(x_shape) if need_x else None
+    dw = paddle.matmul(rows, g, transpose_x=True) if need_w else None
+    db = None
+    if need_b:
+        ones = paddle.ones([1, g.shape[0]], dtype=g.dtype)
+        db = paddle.matmul(ones, g).reshape([weight.shape[1]])
+    return dx, dw, db
+
+
+def needs_grads(x, weight, bias):
+    """Which of (x, weight, bias) want a gradient."""
+    return (not x.stop_gradient, not weight.stop_gradient,
+            bias is not None and not bias.stop_gradient)
+
+
 class _GemmLinear(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        rows = _rows(x, weight.shape[0])
-        # the bias enters the GEMM as its C operand (beta = 1), not as a second pass
-        y = paddle.matmul(rows, weight) if bias is None else paddle.addmm(bias, rows, weight)
+        y, rows = gemm_forward(x, weight, bias)
         ctx.save_for_backward(rows, weight)
         ctx.x_shape = x.shape
-        ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
-                     bias is not None and not bias.stop_gradient)
+        ctx.needs = needs_grads(x, weight, bias)
         ctx.has_bias = bias is not None
         return y.reshape(list(x.shape[:-1]) + [weight.shape[1]])
 
     @staticmethod
     def backward(ctx, grad):
         rows, weight = ctx.saved_tensor()
-        g = _rows(grad, weight.shape[1])
-        need_x, need_w, need_b = ctx.needs
-        dx = paddle.matmul(g, weight, transpose_y=True).reshape(ctx.x_shape) if need_x else None
-        dw = paddle.matmul(rows, g, transpose_x=True) if need_w else None
-        if not ctx.has_bias:
-            return dx, dw
-        db = None
-        if need_b:
-            ones = paddle.ones([1, g.shape[0]], dtype=g.dtype)
-            db = paddle.matmul(ones, g).reshape([weight.shape[1]])
-        return dx, dw, db
+        dx, dw, db = gemm_backward(rows, weight, _rows(grad, weight.shape[1]), ctx.x_shape,
+                                   ctx.needs)
+        return (dx, dw, db) if ctx.has_bias else (dx, dw)
 
 
 class Linear(nn.Linear):

@@ -5,14 +5,14 @@ matmul, the gradient of either) copies it with Paddle's strided-copy kernel, whi
 slower than numpy's copy of the same view (timings: docs/performance.md, "plsc's own CPU kernels,
 measured"). `permute` returns the permuted tensor already dense: on float32 CPU tensors under the
 CPU kernel set (`plsc.cpu_kernels.applies`) a PyLayer whose forward and backward are numpy copies
-(the backward with the inverse permutation); otherwise Paddle's `transpose` followed by
-`contiguous`.
+(the backward with the inverse permutation) split over the kernel threads; otherwise Paddle's
+`transpose` followed by `contiguous`.
 """
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy
+from ..cpu_kernels import applies, as_numpy, run_split
 
 __all__ = ["permute"]
 
@@ -20,7 +20,11 @@ __all__ = ["permute"]
 def _dense_permuted(x, perm):
     src = as_numpy(x).transpose(perm)
     out = paddle.empty(list(src.shape), dtype=x.dtype)
-    np.copyto(as_numpy(out), src)
+    dst = as_numpy(out)
+
+    def copy(lo, hi):  # slabs of the output's first axis, over the kernel threads
+        np.copyto(dst[lo:hi], src[lo:hi])
+    run_split(copy, dst.shape[0])
     return out
 
 

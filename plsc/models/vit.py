@@ -24,18 +24,28 @@ layout in both).
 
 Random draws (token masking, drop path, dropout) come from Paddle's global generator, so a
 checkpoint that saves `paddle.get_rng_state()` resumes them exactly.
+
+On the CPU kernel set the element-wise pieces run fused (`heads.split_heads`, q scaled as it
+is copied, so the scores equal arcface_torch's up to float32 rounding; `linear_relu6`;
+`residual`; `gather`); `PLSC_KERNELS=device` runs Paddle's ops in arcface_torch's order.
 """
+import numpy as np
 import paddle
 from paddle import nn
 
 from .batchnorm import BatchNorm1D
 from .conv import Conv2D
+from .gather import take_rows_per_sample
+from .heads import split_heads, takes_heads_path
 from .layers import as_hw, count_parameters, linear_default_attrs
 from .linear import Linear
+from .linear_relu6 import linear_relu6, takes_linear_relu6_path
 from .permute import permute
+from .residual import add_to_every_sample, residual_add, takes_residual_path
 from .rows import LayerNorm, softmax_last
 from .recompute import run_blocks
 from .. import cpu_setup
+from ..cpu_kernels import as_numpy
 
 __all__ = ["VisionTransformer", "VIT_OPTIONS", "DropPath", "Attention", "Mlp", "Block",
            "PatchEmbed"]
@@ -77,15 +87,31 @@ class DropPath(nn.Layer):
         super().__init__()
         self.p = float(p)
 
+    def _draw(self, x):
+        """One uniform draw per sample, `[B, 1, ...]`: the branch is kept where it is < 1 − p."""
+        return paddle.rand([x.shape[0]] + [1] * (x.ndim - 1), dtype="float32")
+
     def forward(self, x):
         if not self.training or self.p == 0.0:
             return x
         keep = 1.0 - self.p
-        draw = paddle.rand([x.shape[0]] + [1] * (x.ndim - 1), dtype="float32")
-        mask = (draw < keep).astype(x.dtype)
+        mask = (self._draw(x) < keep).astype(x.dtype)
         if keep > 0.0:
             mask = mask / keep
         return x * mask
+
+    def residual(self, x, branch):
+        """x + self(branch); one PyLayer on the CPU kernel set (`plsc.models.residual`), the
+        same draws and factors (float32 1/keep, as Paddle's scale makes it)."""
+        if not takes_residual_path(x, branch):
+            return x + self(branch)
+        if not self.training or self.p == 0.0:
+            return residual_add(x, branch)
+        keep = 1.0 - self.p
+        factor = (as_numpy(self._draw(x)).reshape(-1) < keep).astype(np.float32)
+        if keep > 0.0:
+            factor *= np.float32(1.0 / keep)
+        return residual_add(x, branch, factor)
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -112,15 +138,19 @@ class Attention(nn.Layer):
 
     def forward(self, x):
         dim = self.num_heads * self.head_dim
-        # [B, L, 3D] -> [3, B, heads, L, D/heads]; 0 keeps B and L as they are
-        qkv = self.qkv(x).reshape([0, 0, 3, self.num_heads, self.head_dim])
-        qkv = permute(qkv, [2, 0, 3, 1, 4])
+        qkv = self.qkv(x)
         with paddle.amp.auto_cast(enable=False):  # arcface_torch: autocast(False) and .float()
-            q, k, v = (t if t.dtype == paddle.float32 else t.astype("float32")
-                       for t in paddle.unbind(qkv, axis=0))  # one stack in the backward
-            attn = paddle.matmul(q, k, transpose_y=True) * self.scale
-            attn = softmax_last(attn)
-            attn = self.attn_drop(attn)
+            if takes_heads_path(qkv):  # q comes scaled: the scores need no pass of their own
+                q, k, v = split_heads(qkv, self.num_heads, self.scale)
+                scores = paddle.matmul(q, k, transpose_y=True)
+            else:
+                # [B, L, 3D] -> [3, B, heads, L, D/heads]; 0 keeps B and L as they are
+                qkv = permute(qkv.reshape([0, 0, 3, self.num_heads, self.head_dim]),
+                              [2, 0, 3, 1, 4])
+                q, k, v = (t if t.dtype == paddle.float32 else t.astype("float32")
+                           for t in paddle.unbind(qkv, axis=0))  # one stack in the backward
+                scores = paddle.matmul(q, k, transpose_y=True) * self.scale
+            attn = self.attn_drop(softmax_last(scores))
             out = permute(paddle.matmul(attn, v), [0, 2, 1, 3]).reshape([0, 0, dim])
         return self.proj_drop(self.proj(out.astype(x.dtype)))
 
@@ -136,6 +166,10 @@ class Mlp(nn.Layer):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x):
+        if ((self.drop.p == 0.0 or not self.training) and isinstance(self.act, nn.ReLU6)
+                and takes_linear_relu6_path(x, self.fc1.weight)):
+            # fc1 and ReLU6 as one PyLayer (`plsc.models.linear_relu6`); no dropout to apply
+            return self.fc2(linear_relu6(x, self.fc1.weight, self.fc1.bias))
         return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
@@ -153,8 +187,8 @@ class Block(nn.Layer):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
 
     def forward(self, x):
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = self.drop_path.residual(x, self.attn(self.norm1(x)))
+        return self.drop_path.residual(x, self.mlp(self.norm2(x)))
 
 
 class PatchEmbed(nn.Layer):
@@ -262,12 +296,12 @@ class VisionTransformer(nn.Layer):
     def random_masking(self, x):
         """(the `tokens_kept` tokens of each sample chosen by sorting uniform noise, in noise
         order; `ids_restore`, the permutation that puts them back)."""
-        batch, length, dim = x.shape
+        batch, length, _ = x.shape
         noise = paddle.rand([batch, length], dtype="float32")
         ids_shuffle = paddle.argsort(noise, axis=1)  # ascending: the smallest noise is kept
         ids_restore = paddle.argsort(ids_shuffle, axis=1)
         ids_keep = ids_shuffle[:, :self.tokens_kept]
-        kept = paddle.take_along_axis(x, ids_keep.unsqueeze(-1).tile([1, 1, dim]), axis=1)
+        kept = take_rows_per_sample(x, ids_keep)
         return kept, ids_restore
 
     def unmask(self, x, ids_restore):
@@ -275,11 +309,11 @@ class VisionTransformer(nn.Layer):
         batch, kept, dim = x.shape
         fill = self.mask_token.astype(x.dtype).expand([batch, self.num_patches - kept, dim])
         full = paddle.concat([x, fill], axis=1)
-        return paddle.take_along_axis(full, ids_restore.unsqueeze(-1).tile([1, 1, dim]), axis=1)
+        return take_rows_per_sample(full, ids_restore)
 
     def forward_features(self, x):
         """Images -> the flattened tokens `[B, L·D]` after the final norm."""
-        x = self.pos_drop(self.patch_embed(x) + self.pos_embed)
+        x = self.pos_drop(add_to_every_sample(self.patch_embed(x), self.pos_embed))
         masking = self.training and self.mask_ratio > 0
         if masking:
             x, ids_restore = self.random_masking(x)

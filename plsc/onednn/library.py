@@ -19,6 +19,7 @@ TAG_ANY, TAG_A, TAG_ABCD, TAG_ABCDE = 1, 2, 5, 6
 FORWARD_TRAINING, BACKWARD_DATA, BACKWARD_WEIGHTS = 64, 160, 192
 CONVOLUTION_DIRECT = 1
 SOFTMAX_ACCURATE = 0x30000
+ELTWISE_CLIP_V2, ELTWISE_CLIP_V2_USE_DST = 0x2f, 0x106
 BACKWARD = 128
 TAG_AB = 3
 USE_SCALE, USE_SHIFT = 0x2, 0x4  # normalization flags
@@ -81,6 +82,12 @@ def _declare(lib):
         "dnnl_layer_normalization_backward_primitive_desc_create": [
             ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, ctypes.c_uint,
             vp, vp],
+        "dnnl_eltwise_forward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_float,
+            ctypes.c_float, vp],
+        "dnnl_eltwise_backward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, ctypes.c_float, ctypes.c_float,
+            vp, vp],
         "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp],
         "dnnl_primitive_desc_query_md": [vp, ctypes.c_int, ctypes.c_int],
         "dnnl_primitive_create": [ctypes.POINTER(vp), vp],
@@ -103,6 +110,9 @@ def _check_enums(lib):
                 ("dnnl_fmt_tag2str", TAG_ABCDE, b"abcde"), ("dnnl_fmt_tag2str", TAG_AB, b"ab"),
                 ("dnnl_prop_kind2str", BACKWARD, b"backward"),
                 ("dnnl_alg_kind2str", SOFTMAX_ACCURATE, b"softmax_accurate"),
+                ("dnnl_alg_kind2str", ELTWISE_CLIP_V2, b"eltwise_clip_v2"),
+                ("dnnl_alg_kind2str", ELTWISE_CLIP_V2_USE_DST,
+                 b"eltwise_clip_v2_use_dst_for_bwd"),
                 ("dnnl_prop_kind2str", FORWARD_TRAINING, b"forward_training"),
                 ("dnnl_prop_kind2str", BACKWARD_DATA, b"backward_data"),
                 ("dnnl_prop_kind2str", BACKWARD_WEIGHTS, b"backward_weights"),
