@@ -26,11 +26,11 @@ launch of each side; the figures are medians over the repeats.
 
 Cases (--cases): r18 (IResNet18, CosFace, dense head of --classes, default 1000, SGD), r50_pfc
 (IResNet50, ArcFace, Partial FC 0.1 over 100,000 classes, SGD), vit_t (ViT-T as in
-arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). Both
-sides send the backbone's gradients in float16: arcface_torch with train_v2.py's DDP compression
-hook, plsc with `Optimizer.grad_allreduce_dtype: float16` as its recipe configs set it
-(configs/arcface_r50.yaml, configs/wf42m_vit_t_pfc03.yaml); `--grad-allreduce-dtype float32`
-runs plsc's default instead.
+arcface_torch's WebFace42M recipe, CosFace, Partial FC 0.3 over 10,000 classes, AdamW). plsc
+runs its default float32 gradient all-reduce; arcface_torch sends the backbone's gradients in
+float16 (train_v2.py's DDP compression hook). `--grad-allreduce-dtype float16` gives plsc its
+recipe configs' setting (configs/arcface_r50.yaml, configs/wf42m_vit_t_pfc03.yaml): half the
+bytes, but on gloo an all-gather and casts that cost more than they save on 2 CPU ranks.
 """
 import argparse
 import json
@@ -240,9 +240,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=32, help="images per rank (2 ranks)")
     p.add_argument("--workers", type=int, default=2, help="loader workers per rank, both sides")
     p.add_argument("--classes", type=int, help="override every case's number of classes")
-    p.add_argument("--grad-allreduce-dtype", default="float16", choices=("float16", "float32"),
-                   help="plsc's Optimizer.grad_allreduce_dtype (float16: its recipe configs', "
-                        "as arcface_torch's compression hook)")
+    p.add_argument("--grad-allreduce-dtype", default="float32", choices=("float32", "float16"),
+                   help="plsc's Optimizer.grad_allreduce_dtype (float32: its default; float16: "
+                        "its recipe configs', as arcface_torch's compression hook)")
     p.add_argument("--per-identity", type=int, default=20, help="images per identity")
     p.add_argument("--workdir", default=os.path.join(REPO, "output", "benchmark_train"),
                    help="images (cached) and the runs' folders")

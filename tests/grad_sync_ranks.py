@@ -3,7 +3,8 @@
 
     tests/grad_sync_ranks.py --data DATA --out OUT
 
-For each wire dtype (float32, float16, bfloat16) and each way of summing (`OverlappedSum`
+For each wire dtype (float32, float16, bfloat16; float16 also on the device kernel set,
+`float16_device`) and each way of summing (`OverlappedSum`
 started by the backward's hooks, `sum_gradients` after it), each rank sums its
 `local_gradients(rank)` and an `extra` of `extra_values(rank)`, counting what it hands to
 Paddle's collectives; then one trainer step with Optimizer.grad_allreduce_dtype=float16.
@@ -149,6 +150,12 @@ def main():
         for overlapped in (True, False):
             case = f"{wire}.{'overlapped' if overlapped else 'after'}"
             report.update({f"{case}.{k}": v for k, v in sum_case(rank, wire, overlapped).items()})
+    from plsc.cpu_kernels import KERNELS_ENV
+    os.environ[KERNELS_ENV] = "device"  # float16's gathered sum in Paddle's ops, as on a GPU
+    for overlapped in (True, False):
+        case = f"float16_device.{'overlapped' if overlapped else 'after'}"
+        report.update({f"{case}.{k}": v for k, v in sum_case(rank, "float16", overlapped).items()})
+    del os.environ[KERNELS_ENV]
     report.update({f"trainer.{k}": v for k, v in trainer_case(args.data, args.out, rank).items()})
     rank_report.write_arrays(report)
 

@@ -96,14 +96,18 @@ def two_ranks(tmp_path_factory, run_ranks):
     return done.reports
 
 
+CASES = WIRES + ("float16_device",)  # float16's gathered sum on the device kernel set too
+
+
 @pytest.mark.parametrize("path", ["overlapped", "after"])
-@pytest.mark.parametrize("wire", WIRES)
-def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ranks, wire, path):
+@pytest.mark.parametrize("case", CASES)
+def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ranks, case, path):
     """Each rank's sums against numpy; the 16-bit sums differ from float32's (the rounding is
     there to see), float16's overflow at 65504 included."""
+    wire = case.split("_")[0]
     for rank, report in enumerate(two_ranks):
         for i in range(len(SHAPES)):
-            got = report[f"{wire}.{path}.grad{i}"]
+            got = report[f"{case}.{path}.grad{i}"]
             want = expected_sum(i, wire)
             assert got.dtype == np.float32 and got.shape == want.shape
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
@@ -116,8 +120,8 @@ def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ran
 
 
 @pytest.mark.parametrize("path", ["overlapped", "after"])
-@pytest.mark.parametrize("wire", WIRES)
-def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, wire, path):
+@pytest.mark.parametrize("case", CASES)
+def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, case, path):
     """`extra` comes back as its exact float32 sum (values 16 bits cannot hold), and the
     gradients' bytes on the wire in 16 bits are half of float32's: each rank hands Paddle's
     collectives 2 bytes per gradient element (4 in float32) plus the float32 extra."""
@@ -125,10 +129,11 @@ def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, wire, path):
     assert not np.array_equal(round_to(extra, "bfloat16"), extra)
     elements = sum(int(np.prod(shape)) for shape in SHAPES)
     extra_bytes = 4 * extra.size
+    wire = case.split("_")[0]
     for report in two_ranks:
-        assert np.array_equal(report[f"{wire}.{path}.extra"], extra)
+        assert np.array_equal(report[f"{case}.{path}.extra"], extra)
         counted = {key.rsplit(".", 1)[1]: int(v) for key, v in report.items()
-                   if key.startswith(f"{wire}.{path}.bytes.")}
+                   if key.startswith(f"{case}.{path}.bytes.")}
         if wire == "float32":
             assert counted == {"float32": 4 * elements + extra_bytes}
         else:

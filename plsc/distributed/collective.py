@@ -5,10 +5,12 @@ record gradients. `all_gather` and `reduce_scatter` are differentiable: the
 backward of an all-gather is a reduce-scatter (sum) and vice versa. For a
 world of size 1 every function returns its input.
 """
+import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
+from ..cpu_kernels import as_numpy, cpu_set
 from ..dtypes import FLOAT_DTYPES
 
 __all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_", "broadcast_",
@@ -97,14 +99,17 @@ def start_sum(x, wire="float32", group=None):
             task.wait()
             return x
         return summed
+    numpy = wire == "float16" and cpu_set(x)  # numpy's float16 casts: one pass each
     with paddle.no_grad():
-        payload = x.astype(wire)
+        payload = _to_float16(x) if numpy else x.astype(wire)
     if wire == "float16" and dist.get_backend(group) in _NO_FLOAT16_ALL_REDUCE:
         parts = []
         task = dist.all_gather(parts, payload, group=group, sync_op=False)
 
         def gathered_sum():
             task.wait()
+            if numpy:
+                return _float16_sum(parts)
             with paddle.no_grad():
                 total = parts[0].astype("float32")
                 for part in parts[1:]:  # rank order: the same sum on every rank
@@ -118,6 +123,26 @@ def start_sum(x, wire="float32", group=None):
         with paddle.no_grad():
             return payload.astype("float32")
     return reduced
+
+
+def _to_float16(x):
+    """float32 CPU tensor `x` rounded to nearest float16 (numpy: one pass, where Paddle's
+    cast of a 25 MB bucket takes 1.5x as long)."""
+    out = paddle.empty(x.shape, dtype="float16")
+    np.copyto(as_numpy(out), as_numpy(x), casting="same_kind")
+    return out
+
+
+def _float16_sum(parts):
+    """The gathered float16 `parts` summed in float32 in rank order and rounded to float16
+    once, as float32: the Paddle-op branch's arithmetic in three passes instead of about six."""
+    total = paddle.empty(parts[0].shape, dtype="float32")
+    t = as_numpy(total)
+    np.add(as_numpy(parts[0]), as_numpy(parts[1]), out=t, dtype=np.float32)
+    for part in parts[2:]:
+        np.add(t, as_numpy(part), out=t)
+    np.copyto(t, t.astype(np.float16))
+    return total
 
 
 def broadcast_(x, src=0, group=None):
