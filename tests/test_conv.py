@@ -199,3 +199,5 @@ def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch)
         assert onednn.scratch_bytes() < whole_bytes / 2
     np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(pieces, whole)
+    with paddle.no_grad():  # an empty share of an evaluation
+        assert conv(paddle.zeros([0, 8, 20, 20])).shape == [0, 16, 20, 20]
