@@ -5,9 +5,10 @@ this machine: the rows of `plsc.train.plan.measured.BACKBONES`.
         --batch 32 64 128 256 --eval-batch 100 200
 
 Each (mode, batch) runs in a process of its own (one kernel thread, as a rank of a 2-rank run
-on 2 cores, malloc keeping freed blocks as in a run): the backbone and its optimizer are built,
-a uint8 batch is made, then the steps run (forward, backward, the optimizer's step; the loss
-is the embeddings' sum, no head). Reported per process: the peak resident set (VmHWM) above
+on 2 cores, malloc keeping freed blocks as in a run and giving them back after each training
+step as the trainer does after its first steps; `--no-release` keeps them): the backbone and
+its optimizer are built, a uint8 batch is made, then the steps run (forward, backward, the
+optimizer's step; the loss is the embeddings' sum, no head). Reported per process: the peak resident set (VmHWM) above
 the resident set before the first step, less the gradients and the optimizer state the first
 step creates (computed from the parameters' shapes), and the same for Paddle's host allocator
 (its peak above what was allocated before the step). The JSON line at the end gives them per
