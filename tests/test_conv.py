@@ -201,3 +201,71 @@ def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch)
     np.testing.assert_array_equal(pieces, whole)
     with paddle.no_grad():  # an empty share of an evaluation
         assert conv(paddle.zeros([0, 8, 20, 20])).shape == [0, 16, 20, 20]
+
+
+def test_gradients_fall_back_to_any_layout(monkeypatch):
+    """Where oneDNN has no gradient kernel for the forward's layouts, it chooses the layouts
+    ("any"): the gradients still equal Paddle's."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    from plsc.onednn import conv as onednn_conv
+    lib = onednn_conv.lib()
+    tried = []
+
+    class Refusing:  # oneDNN's constructors, refusing the forward's layouts
+        def __getattr__(self, name):
+            real = getattr(lib, name)
+            if "backward" not in name:
+                return real
+
+            def create(pd, eng, alg, src, *rest):
+                tried.append(name)
+                return 3 if len(tried) % 2 else real(pd, eng, alg, src, *rest)  # unimplemented
+            return create
+    monkeypatch.setattr(onednn_conv, "lib", lambda: Refusing())
+    paddle.seed(13)
+    conv = Conv2D(16, 16, 3, stride=2, padding=1, bias_attr=False)
+    x = paddle.randn([3, 16, 11, 13])  # a geometry no other test plans
+    if not takes_onednn(x, conv.weight):
+        pytest.skip("the CPU kernel set is not in use")
+    x.stop_gradient = False
+    conv(x).sum().backward()
+    assert len(tried) == 4  # the data and the weight gradient: each tried twice
+    xr = x.detach()
+    xr.stop_gradient = False
+    wr = conv.weight.detach()
+    wr.stop_gradient = False
+    F.conv2d(xr, wr, stride=2, padding=1).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), atol=2e-5)
+    np.testing.assert_allclose(conv.weight.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_strided_gradients_take_the_forward_layouts():
+    """A strided convolution's gradients read and write the activations in the layouts its
+    forward chose (oneDNN would otherwise choose channels-last for the data gradient, and
+    reorder into and out of it), and equal Paddle's."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    from plsc.onednn.library import lib
+    paddle.seed(17)
+    conv = Conv2D(32, 32, 3, stride=2, padding=1, bias_attr=False)
+    x = paddle.randn([2, 32, 14, 15])
+    if not takes_onednn(x, conv.weight):
+        pytest.skip("the CPU kernel set is not in use")
+    x.stop_gradient = False
+    y = conv(x)
+    upstream = paddle.randn(y.shape)
+    (y * upstream).sum().backward()
+    plan = onednn.plan(x.shape, conv.weight.shape, (2, 2), (1, 1), (1, 1), (1, 1), 1, False)
+    data, weights = plan.bwd_data[1], plan.bwd_weights[1]
+    for arg, fwd in ((data["diff_src"], "src"), (data["diff_dst"], "dst"),
+                     (weights["src"], "src"), (weights["diff_dst"], "dst")):
+        assert lib().dnnl_memory_desc_equal(arg.wanted, plan.fwd_args[fwd].wanted)
+    assert not plan.fwd_args["src"].same  # blocked, not the plain layout
+    xr = x.detach()
+    xr.stop_gradient = False
+    wr = conv.weight.detach()
+    wr.stop_gradient = False
+    (F.conv2d(xr, wr, stride=2, padding=1) * upstream).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), atol=2e-5)
+    np.testing.assert_allclose(conv.weight.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-4)

@@ -77,13 +77,26 @@ class _Plan:
                              _SLOTS[role])
         return args
 
+    def _gradient_pd(self, create, *weights_bias):
+        """The primitive descriptor of a gradient (`create`: oneDNN's backward data or weights
+        constructor) with the activations in the layouts the forward chose, so that no
+        strided data gradient falls to a channels-last kernel and the reorders into and out of
+        it (IResNet50's eight strided data gradients at batch 32, one thread: 339 against
+        399 ms with the reorders). Where no kernel takes those layouts, oneDNN chooses ("any")."""
+        fwd = {r: lib().dnnl_primitive_desc_query_md(self.fwd_pd, q, 0)
+               for r, q in (("src", QUERY_SRC), ("dst", QUERY_DST))}
+        for src, dst in ((fwd["src"], fwd["dst"]), (self.any["src"], self.any["dst"])):
+            pd = vp()
+            status = create(ctypes.byref(pd), engine(), CONVOLUTION_DIRECT, src,
+                            *weights_bias, dst, *self.geometry, self.fwd_pd, None)
+            if status == 0 or src is self.any["src"]:
+                ok(status, "convolution_backward_primitive_desc_create")
+                return pd
+
     def _backward_data(self):
         if self.bwd_data is None:
-            pd = vp()
-            ok(lib().dnnl_convolution_backward_data_primitive_desc_create(
-                ctypes.byref(pd), engine(), CONVOLUTION_DIRECT, self.any["src"],
-                self.any["weights"], self.any["dst"], *self.geometry, self.fwd_pd, None),
-                "convolution_backward_data_primitive_desc_create")
+            pd = self._gradient_pd(lib().dnnl_convolution_backward_data_primitive_desc_create,
+                                   self.any["weights"])
             self.bwd_data = (primitive(pd), self._args(pd, {
                 "diff_src": (QUERY_DIFF_SRC, False), "weights": (QUERY_WEIGHTS, True),
                 "diff_dst": (QUERY_DIFF_DST, True)}))
@@ -91,11 +104,9 @@ class _Plan:
 
     def _backward_weights(self):
         if self.bwd_weights is None:
-            pd = vp()
-            ok(lib().dnnl_convolution_backward_weights_primitive_desc_create(
-                ctypes.byref(pd), engine(), CONVOLUTION_DIRECT, self.any["src"],
-                self.any["weights"], self.bias_md, self.any["dst"], *self.geometry,
-                self.fwd_pd, None), "convolution_backward_weights_primitive_desc_create")
+            pd = self._gradient_pd(
+                lib().dnnl_convolution_backward_weights_primitive_desc_create,
+                self.any["weights"], self.bias_md)
             self.bwd_weights = (primitive(pd), self._args(pd, {
                 "src": (QUERY_SRC, True), "diff_weights": (QUERY_DIFF_WEIGHTS, False),
                 "diff_dst": (QUERY_DIFF_DST, True)}))
