@@ -15,7 +15,8 @@ from paddle.autograd import PyLayer
 
 from ..cpu_kernels import applies
 
-__all__ = ["Linear", "takes_gemm_path", "gemm_forward", "gemm_backward", "needs_grads"]
+__all__ = ["Linear", "takes_gemm_path", "gemm_forward", "gemm_backward", "needs_grads",
+           "save_gemm_context", "gemm_grads"]
 
 
 def takes_gemm_path(x, weight):
@@ -55,22 +56,33 @@ def needs_grads(x, weight, bias):
             bias is not None and not bias.stop_gradient)
 
 
+def save_gemm_context(ctx, x, weight, bias, *saved):
+    """A GEMM PyLayer's forward bookkeeping: `saved` kept for the backward, x's shape, which
+    gradients are wanted, whether there is a bias; returns the output's shape."""
+    ctx.save_for_backward(*saved)
+    ctx.x_shape = x.shape
+    ctx.needs = needs_grads(x, weight, bias)
+    ctx.has_bias = bias is not None
+    return list(x.shape[:-1]) + [weight.shape[1]]
+
+
+def gemm_grads(ctx, rows, weight, g):
+    """A GEMM PyLayer's backward result for the output gradient `g` (`[rows, out]`), as the
+    PyLayer returns it (no bias gradient without a bias)."""
+    dx, dw, db = gemm_backward(rows, weight, g, ctx.x_shape, ctx.needs)
+    return (dx, dw, db) if ctx.has_bias else (dx, dw)
+
+
 class _GemmLinear(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
         y, rows = gemm_forward(x, weight, bias)
-        ctx.save_for_backward(rows, weight)
-        ctx.x_shape = x.shape
-        ctx.needs = needs_grads(x, weight, bias)
-        ctx.has_bias = bias is not None
-        return y.reshape(list(x.shape[:-1]) + [weight.shape[1]])
+        return y.reshape(save_gemm_context(ctx, x, weight, bias, rows, weight))
 
     @staticmethod
     def backward(ctx, grad):
         rows, weight = ctx.saved_tensor()
-        dx, dw, db = gemm_backward(rows, weight, _rows(grad, weight.shape[1]), ctx.x_shape,
-                                   ctx.needs)
-        return (dx, dw, db) if ctx.has_bias else (dx, dw)
+        return gemm_grads(ctx, rows, weight, _rows(grad, weight.shape[1]))
 
 
 class Linear(nn.Linear):

@@ -15,7 +15,7 @@ from paddle.autograd import PyLayer
 
 from .. import onednn
 from ..onednn.eltwise import clip_plan
-from .linear import gemm_backward, gemm_forward, needs_grads, takes_gemm_path
+from .linear import gemm_forward, gemm_grads, save_gemm_context, takes_gemm_path
 
 __all__ = ["linear_relu6", "takes_linear_relu6_path"]
 
@@ -33,11 +33,7 @@ class _GemmLinearReLU6(PyLayer):
         y, rows = gemm_forward(x, weight, bias)
         ctx.plan = clip_plan(y.size, 0.0, RELU6_HIGH)
         ctx.plan.forward(y.data_ptr(), y.data_ptr())  # in place
-        ctx.save_for_backward(rows, weight, y)
-        ctx.x_shape = x.shape
-        ctx.needs = needs_grads(x, weight, bias)
-        ctx.has_bias = bias is not None
-        return y.reshape(list(x.shape[:-1]) + [weight.shape[1]])
+        return y.reshape(save_gemm_context(ctx, x, weight, bias, rows, weight, y))
 
     @staticmethod
     def backward(ctx, grad):
@@ -45,8 +41,7 @@ class _GemmLinearReLU6(PyLayer):
         grad = grad if grad.is_contiguous() else grad.contiguous()
         dz = paddle.empty(y.shape, dtype=y.dtype)
         ctx.plan.backward(y.data_ptr(), grad.data_ptr(), dz.data_ptr())
-        dx, dw, db = gemm_backward(rows, weight, dz, ctx.x_shape, ctx.needs)
-        return (dx, dw, db) if ctx.has_bias else (dx, dw)
+        return gemm_grads(ctx, rows, weight, dz)
 
 
 def linear_relu6(x, weight, bias=None):
