@@ -1,9 +1,10 @@
 """oneDNN convolutions on plain NCHW float32 memory: forward, data gradient, weight gradient.
 
 Paddle 3.3's CPU `conv2d` and its gradients lower to im2col and a GEMM; oneDNN (the library
-torch's CPU convolutions run on too) has direct kernels for blocked layouts. Each primitive
-here chooses its layout; a plain input is reordered into it and a result back, both by oneDNN,
-and the weight gradient reads the output gradient the data gradient already reordered.
+torch's CPU convolutions run on too) has direct kernels for blocked layouts. The forward
+chooses its layouts and the gradients take the same activation layouts (`_gradient_pd`); a
+plain input is reordered into them and a result back, both by oneDNN, and the weight gradient
+reads the output gradient the data gradient already reordered.
 
 One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias) holds the
 primitives and their reorders; plans are built on first use and kept for the process. The
