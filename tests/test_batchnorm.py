@@ -15,7 +15,7 @@ import pytest
 
 from plsc.builders import build_backbone
 from plsc.config import ConfigError, validate
-from plsc.models import build_model
+from plsc.models import blocked, build_model
 from plsc.models.batchnorm import BatchNorm1D, BatchNorm2D
 
 TORCH_MOMENTUM = 0.1  # torch's BatchNorm default, arcface_torch's every BatchNorm
@@ -31,6 +31,12 @@ def torch_update(inputs, unbiased=True):
         mean = (1 - TORCH_MOMENTUM) * mean + TORCH_MOMENTUM * x.mean(axis=1)
         var = (1 - TORCH_MOMENTUM) * var + TORCH_MOMENTUM * x.var(axis=1, ddof=int(unbiased))
     return mean, var
+
+
+def _plain(x):
+    """A layer's input as a plain numpy array (a blocked activation, `plsc.models.blocked`,
+    as the [N, C, H, W] it holds)."""
+    return (blocked.to_plain(x) if blocked.is_blocked(x) else x).numpy()
 
 
 def check_statistics(name, layer, inputs, unbiased=True):
@@ -82,7 +88,7 @@ def test_every_batchnorm_of_a_backbone_follows_torch(name):
     assert norms and all(isinstance(m, (BatchNorm1D, BatchNorm2D)) for _, m in norms)
     seen = {n: [] for n, _ in norms}
     for n, m in norms:
-        m.register_forward_pre_hook(lambda layer, args, n=n: seen[n].append(args[0].numpy()))
+        m.register_forward_pre_hook(lambda layer, args, n=n: seen[n].append(_plain(args[0])))
     rng = np.random.RandomState(1)
     with paddle.no_grad():
         for _ in range(3):

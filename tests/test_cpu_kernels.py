@@ -8,6 +8,7 @@ import paddle
 import pytest
 
 from plsc import cpu_kernels, runtime
+from plsc.models import blocked
 from plsc.models.prelu import PReLU, prelu
 
 F = paddle.nn.functional
@@ -195,6 +196,14 @@ def test_head_kernels_against_float64(path, threads):
         assert np.abs(np.einsum("ij,ij->i", tg.numpy().astype(np.float64), w64)).max() < 1e-4
 
 
+def _paddle_prelu(x, slope):
+    """Paddle's own prelu, a blocked activation (`plsc.models.blocked`) taken to the plain
+    layout and back."""
+    if not blocked.is_blocked(x):
+        return F.prelu(x, slope)
+    return blocked.to_blocked(F.prelu(blocked.to_plain(x), slope))
+
+
 def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
     """A whole IResNet step with plsc's PReLU against the same weights on Paddle's PReLU."""
     from plsc.models import build_model
@@ -205,10 +214,10 @@ def test_backbone_gradients_equal_those_with_paddles_prelu(threads):
     target = paddle.randn([4, 32])
     grads = []
     for swap in (False, True):
-        if swap:  # the same parameters, Paddle's own kernel
+        if swap:  # the same parameters, Paddle's own kernel (on the plain layout)
             for layer in model.sublayers():
                 if isinstance(layer, PReLU):
-                    layer.forward = lambda t, layer=layer: F.prelu(t, layer._weight)
+                    layer.forward = lambda t, layer=layer: _paddle_prelu(t, layer._weight)
         out = model(x)
         (out - target).square().sum().backward()
         grads.append({n: p.grad.numpy() for n, p in model.named_parameters()

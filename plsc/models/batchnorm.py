@@ -13,6 +13,10 @@ update. For n = 1 there is no unbiased variance: the batch's (0) is used, as Pad
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+from paddle.autograd import PyLayer
+
+from . import blocked
+from .. import onednn
 
 __all__ = ["BatchNorm1D", "BatchNorm2D", "set_unbiased_var"]
 
@@ -33,21 +37,69 @@ class _UnbiasedRunningVar:
         out = F.batch_norm(x, batch_mean, batch_var, weight=self.weight, bias=self.bias,
                            training=True, momentum=0.0, epsilon=self._epsilon,
                            data_format=self._data_format)
-        n = int(x.size) // self._num_features
+        self._update_running(batch_mean, batch_var, int(x.size) // self._num_features)
+        return out
+
+    def _update_running(self, batch_mean, batch_var, n):
+        """Fold a batch's mean and biased variance over `n` values a channel into the running
+        statistics (the variance made unbiased when `unbiased_var`)."""
         keep = self._momentum  # Paddle's convention: the weight of the running value
         with paddle.no_grad():
             self._mean.copy_(self._mean * keep + batch_mean * (1.0 - keep), False)
-            unbiased = batch_var * (n / (n - 1)) if n > 1 else batch_var
-            self._variance.copy_(self._variance * keep + unbiased * (1.0 - keep), False)
-        return out
+            if self.unbiased_var and n > 1:
+                batch_var = batch_var * (n / (n - 1))
+            self._variance.copy_(self._variance * keep + batch_var * (1.0 - keep), False)
 
 
 class BatchNorm1D(_UnbiasedRunningVar, nn.BatchNorm1D):
     """`paddle.nn.BatchNorm1D` with torch's running variance (`unbiased_var`)."""
 
 
+class _BlockedBatchNorm(PyLayer):
+    """Training batch norm of a blocked activation on oneDNN; writes the batch's mean and
+    biased variance into `mean` and `var`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, var, epsilon):
+        x = x if x.is_contiguous() else x.contiguous()
+        plan = onednn.batchnorm_plan(blocked.logical_shape(x), epsilon)
+        y = paddle.empty(x.shape, dtype=x.dtype)
+        plan.forward(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                     mean.data_ptr(), var.data_ptr())
+        ctx.plan = plan
+        ctx.save_for_backward(x, weight, mean, var)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, var = ctx.saved_tensor()
+        dy = dy if dy.is_contiguous() else dy.contiguous()
+        dx = paddle.empty(x.shape, dtype=x.dtype)
+        dw, db = paddle.empty_like(weight), paddle.empty_like(weight)
+        ctx.plan.backward(x.data_ptr(), weight.data_ptr(), mean.data_ptr(), var.data_ptr(),
+                          dy.data_ptr(), dx.data_ptr(), dw.data_ptr(), db.data_ptr())
+        return dx, dw, db
+
+
 class BatchNorm2D(_UnbiasedRunningVar, nn.BatchNorm2D):
-    """`paddle.nn.BatchNorm2D` with torch's running variance (`unbiased_var`)."""
+    """`paddle.nn.BatchNorm2D` with torch's running variance (`unbiased_var`), which also
+    takes a blocked activation (`plsc.models.blocked`; then oneDNN's kernel in training)."""
+
+    def forward(self, x):
+        if not blocked.is_blocked(x):
+            return _UnbiasedRunningVar.forward(self, x)  # (no super(): see above)
+        if self.weight is None or self.bias is None or self._data_format != "NCHW":
+            return blocked.to_blocked(_UnbiasedRunningVar.forward(self, blocked.to_plain(x)))
+        if self.training and not self._use_global_stats:
+            batch_mean, batch_var = paddle.empty_like(self._mean), paddle.empty_like(self._mean)
+            out = _BlockedBatchNorm.apply(x, self.weight, self.bias, batch_mean, batch_var,
+                                          self._epsilon)
+            n, _, h, w = blocked.logical_shape(x)
+            self._update_running(batch_mean, batch_var, n * h * w)
+            return out
+        scale = self.weight * paddle.rsqrt(self._variance + self._epsilon)
+        shift = self.bias - self._mean * scale
+        return x * blocked.channel_view(scale) + blocked.channel_view(shift)
 
 
 def set_unbiased_var(model, unbiased):

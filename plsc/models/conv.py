@@ -11,6 +11,7 @@ import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
+from . import blocked
 from .. import cpu_kernels, onednn
 
 __all__ = ["Conv2D", "takes_onednn"]
@@ -24,21 +25,33 @@ def takes_onednn(x, weight):
     """True when this convolution runs through oneDNN (see the module docstring); never while
     a program is traced (`paddle.jit.to_static`): an exported model holds Paddle's conv2d."""
     return (paddle.in_dynamic_mode() and cpu_kernels.cpu_set(x, weight) and x.dtype == paddle.float32
-            and weight.dtype == paddle.float32 and x.ndim == 4 and onednn.available())
+            and weight.dtype == paddle.float32 and (x.ndim == 4 or blocked.is_blocked(x))
+            and onednn.available())
 
 
 def _dense(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _plan(x, weight, bias, geometry, blocked_out, n=None):
+    """The oneDNN plan of this call (`n`: another batch size) and its output's shape."""
+    blocked_in = blocked.is_blocked(x)
+    shape = blocked.logical_shape(x) if blocked_in else [int(d) for d in x.shape]
+    if n is not None:
+        shape[0] = n
+    p = onednn.plan(shape, weight.shape, *geometry, bias is not None, blocked_in, blocked_out)
+    n, c, h, w = p.out_shape
+    return p, ([n, c // blocked.BLOCK, h, w, blocked.BLOCK] if blocked_out else list(p.out_shape))
+
+
 class _OneDNNConv2D(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight, bias, geometry):
+    def forward(ctx, x, weight, bias, geometry, blocked_out):
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
                      bias is not None and not bias.stop_gradient)  # before any dense copy
         x, weight = _dense(x), _dense(weight)
-        plan = onednn.plan(x.shape, weight.shape, *geometry, bias is not None)
-        y = paddle.empty(plan.out_shape, dtype=paddle.float32)
+        plan, out_shape = _plan(x, weight, bias, geometry, blocked_out)
+        y = paddle.empty(out_shape, dtype=paddle.float32)
         onednn.conv_forward(plan, x.data_ptr(), weight.data_ptr(),
                             None if bias is None else bias.data_ptr(), y.data_ptr())
         ctx.plan = plan
@@ -63,20 +76,19 @@ class _OneDNNConv2D(PyLayer):
         return grads + ((db if need_b else None),) if ctx.has_bias else grads
 
 
-def _forward_no_grad(x, weight, bias, geometry):
+def _forward_no_grad(x, weight, bias, geometry, blocked_out):
     """The convolution without an autograd record, the batch in pieces of
     `onednn.samples_per_call` samples (each sample's output depends on that sample alone)."""
     x, weight = _dense(x), _dense(weight)
-    full = onednn.plan(x.shape, weight.shape, *geometry, bias is not None)
-    y = paddle.empty(full.out_shape, dtype=paddle.float32)
+    full, out_shape = _plan(x, weight, bias, geometry, blocked_out)
+    y = paddle.empty(out_shape, dtype=paddle.float32)
     n = int(x.shape[0])
     step = max(1, onednn.samples_per_call(full, n))  # an empty batch: no call
     x_bytes, y_bytes = 4 * int(x.size) // max(n, 1), 4 * int(y.size) // max(n, 1)
     b_ptr = None if bias is None else bias.data_ptr()
     for lo in range(0, n, step):
         k = min(step, n - lo)
-        plan = full if k == n else onednn.plan((k,) + tuple(x.shape[1:]), weight.shape,
-                                               *geometry, bias is not None)
+        plan = full if k == n else _plan(x, weight, bias, geometry, blocked_out, k)[0]
         onednn.conv_forward(plan, x.data_ptr() + lo * x_bytes, weight.data_ptr(), b_ptr,
                             y.data_ptr() + lo * y_bytes)
     return y
@@ -85,16 +97,24 @@ def _forward_no_grad(x, weight, bias, geometry):
 class Conv2D(nn.Conv2D):
     """`paddle.nn.Conv2D` (NCHW) whose CPU float32 forward and backward run through oneDNN;
     under `paddle.no_grad` (an evaluation) the forward alone, in pieces of the batch that keep
-    oneDNN's shared scratch at the size training gave it."""
+    oneDNN's shared scratch at the size training gave it.
+
+    A blocked input (`plsc.models.blocked`) gives a blocked output; with `emit_blocked` set, a
+    plain input does too where oneDNN's own choice is that layout (`onednn.blocked_native`)."""
+
+    emit_blocked = False
 
     def forward(self, x):
         padding = _explicit_padding(self)
         if padding is None or not takes_onednn(x, self.weight):
-            return super().forward(x)
+            return super().forward(blocked.to_plain(x) if blocked.is_blocked(x) else x)
         geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
+        blocked_out = blocked.is_blocked(x) or (
+            self.emit_blocked and self._groups == 1 and self._out_channels % blocked.BLOCK == 0
+            and onednn.blocked_native())
         if not paddle.is_grad_enabled():
-            return _forward_no_grad(x, self.weight, self.bias, geometry)
-        return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry)
+            return _forward_no_grad(x, self.weight, self.bias, geometry, blocked_out)
+        return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry, blocked_out)
 
 
 def _explicit_padding(layer):

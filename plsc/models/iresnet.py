@@ -2,6 +2,7 @@
 import paddle
 from paddle import nn
 
+from . import blocked
 from .batchnorm import BatchNorm2D
 from .conv import Conv2D
 from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
@@ -88,6 +89,8 @@ class IResNet(nn.Layer):
         self.input_size = as_hw(input_size)
 
         self.conv1 = _conv(3, self.widths[0], 3)
+        # on oneDNN, activations stay blocked from the stem to the last BatchNorm
+        self.conv1.emit_blocked = all(w % blocked.BLOCK == 0 for w in self.widths)
         self.bn1 = _bn(self.widths[0])
         self.prelu = PReLU(self.widths[0])
         in_channels = self.widths[0]
@@ -122,8 +125,10 @@ class IResNet(nn.Layer):
         for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
             blocks += list(stage)
         x = run_blocks(blocks, x, self.recompute and self.training)
-        x = self.dropout(self.bn2(x))
-        x = paddle.flatten(x, start_axis=1)
+        x = self.bn2(x)
+        if blocked.is_blocked(x):
+            x = blocked.to_plain(x)
+        x = paddle.flatten(self.dropout(x), start_axis=1)
         return self.features(self.fc(x))
 
     def num_parameters(self, trainable_only=False):

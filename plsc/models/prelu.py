@@ -23,6 +23,7 @@ import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
+from . import blocked
 from ..cpu_kernels import applies, as_numpy, run_rows
 
 __all__ = ["PReLU", "prelu"]
@@ -30,53 +31,67 @@ __all__ = ["PReLU", "prelu"]
 _SLAB = 64 << 10  # floats per slab (256 KiB): a slab's temporaries stay in the core's L2
 
 
-def _rows(t):
-    """`t` ([N, C, ...]) as a numpy [N·C, rest] view of its memory."""
+def _rows(t, lanes):
+    """`t` ([N, C, ...]) as a numpy [N·C, rest] view of its memory; a blocked activation
+    (`lanes`: [N, C/16, H, W, 16], `plsc.models.blocked`) as [N·C/16, H·W, 16]."""
+    if lanes:
+        return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1, blocked.BLOCK)
     return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1)
 
 
-def _run(fn, rows, width):
-    """fn(lo, hi, tmp) over slabs of whole rows; tmp: a float32 [hi - lo, width] scratch."""
+def _run(fn, rows):
+    """fn(lo, hi, tmp) over slabs of whole rows of `rows`; tmp: a float32 scratch shaped as
+    rows[lo:hi]."""
+    rest = rows.shape[1:]
+    width = int(np.prod(rest))
+
     def slab(lo, hi):
-        fn(lo, hi, np.empty((hi - lo, width), np.float32))
-    run_rows(slab, rows, max(1, _SLAB // max(1, width)))
+        fn(lo, hi, np.empty((hi - lo,) + rest, np.float32))
+    run_rows(slab, rows.shape[0], max(1, _SLAB // max(1, width)))
 
 
 @functools.lru_cache(maxsize=8)
-def _zeros(rows, width):
+def _zeros(*shape):
     """A read-only float32 zero slab: numpy compares with an array several times faster than
     with a scalar (2.4: 12 against 24 µs a 256 KiB slab)."""
-    out = np.zeros((rows, width), np.float32)
+    out = np.zeros(shape, np.float32)
     out.flags.writeable = False
     return out
 
 
-def _row_slopes(slope, shape):
-    """The slope of every row of `_rows`: per channel, or the one shared slope."""
+def _row_slopes(slope, x, lanes):
+    """The slopes of every row of `_rows(x, lanes)`, shaped to broadcast against it: per
+    channel, or the one shared slope."""
     a = slope.numpy().astype(np.float32).reshape(-1)
-    return np.tile(a if a.size == shape[1] else np.repeat(a, shape[1]), shape[0])[:, None]
+    if lanes:
+        a = np.broadcast_to(a, (x.shape[1] * blocked.BLOCK,))
+        return np.tile(a.reshape(-1, 1, blocked.BLOCK), (x.shape[0], 1, 1))
+    return np.tile(a if a.size == x.shape[1] else np.repeat(a, x.shape[1]), x.shape[0])[:, None]
 
 
 class _FastPReLU(PyLayer):
     @staticmethod
-    def forward(ctx, x, slope):
+    def forward(ctx, x, slope, lanes):
         out = paddle.empty(x.shape, dtype=x.dtype)
-        xr, yr, a = _rows(x), _rows(out), _row_slopes(slope, x.shape)
+        xr, yr, a = _rows(x, lanes), _rows(out, lanes), _row_slopes(slope, x, lanes)
 
         def fwd(lo, hi, _):
             np.multiply(xr[lo:hi], a[lo:hi], out=yr[lo:hi])
             np.maximum(yr[lo:hi], xr[lo:hi], out=yr[lo:hi])
-        _run(fwd, xr.shape[0], xr.shape[1])
+        _run(fwd, xr)
         ctx.save_for_backward(x, slope)
+        ctx.lanes = lanes
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, slope = ctx.saved_tensor()
         d_x = paddle.empty(x.shape, dtype=x.dtype)
-        xr, gr, dr = _rows(x), _rows(grad), _rows(d_x)
-        a = _row_slopes(slope, x.shape)
-        row_sums = np.empty(xr.shape[0], np.float32)
+        lanes = ctx.lanes
+        xr, gr, dr = _rows(x, lanes), _rows(grad, lanes), _rows(d_x, lanes)
+        a = _row_slopes(slope, x, lanes)
+        row_sums = np.empty(xr.shape[:1] + xr.shape[2:], np.float32)  # a row's (lanes') sums
+        sums = "ri,ri->r" if xr.ndim == 2 else "rpl,rpl->rl"
 
         def bwd(lo, hi, tmp):
             xs, gs = xr[lo:hi], gr[lo:hi]
@@ -84,8 +99,8 @@ class _FastPReLU(PyLayer):
             np.maximum(tmp, a[lo:hi], out=tmp)  # 1 where x > 0, else a
             np.multiply(gs, tmp, out=dr[lo:hi])
             np.minimum(xs, _zeros(*tmp.shape), out=tmp)
-            np.einsum("ri,ri->r", gs, tmp, out=row_sums[lo:hi])
-        _run(bwd, xr.shape[0], xr.shape[1])
+            np.einsum(sums, gs, tmp, out=row_sums[lo:hi])
+        _run(bwd, xr)
         per_channel = row_sums.reshape(x.shape[0], -1).sum(axis=0)
         d_slope = per_channel if slope.size > 1 else per_channel.sum(keepdims=True)
         return d_x, paddle.to_tensor(d_slope.reshape(slope.shape), dtype=slope.dtype)
@@ -101,9 +116,13 @@ def _fast_ok(x, slope, data_format):
 
 def prelu(x, slope, data_format="NCHW"):
     """`paddle.nn.functional.prelu(x, slope, data_format)`, on the fast CPU kernels when they
-    apply (see the module's docstring)."""
+    apply (see the module's docstring); a blocked activation (`plsc.models.blocked`, NCHW)
+    stays blocked."""
+    lanes = data_format == "NCHW" and blocked.is_blocked(x)
     if _fast_ok(x, slope, data_format):
-        return _FastPReLU.apply(x if x.is_contiguous() else x.contiguous(), slope)
+        return _FastPReLU.apply(x if x.is_contiguous() else x.contiguous(), slope, lanes)
+    if lanes:
+        return blocked.to_blocked(paddle.nn.functional.prelu(blocked.to_plain(x), slope))
     return paddle.nn.functional.prelu(x, slope, data_format=data_format)
 
 

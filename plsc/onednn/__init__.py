@@ -1,12 +1,14 @@
 """Kernels of the oneDNN library that Paddle's CPU wheel bundles, run on Paddle's tensors' memory.
 
 `library` loads oneDNN 3 through ctypes and holds the pieces every primitive uses; `conv` the
-convolutions of the backbones; `rows` softmax and LayerNorm over the last axis. The layers that
+convolutions of the backbones; `batchnorm` their BatchNorm on blocked activations; `rows`
+softmax and LayerNorm over the last axis. The layers that
 choose between these and Paddle's own ops live in `plsc.models` (`conv`, `rows`).
 """
-from .conv import (conv_backward, conv_forward, plan, plan_count, samples_per_call,
-                   scratch_bytes)
+from .batchnorm import batchnorm_plan
+from .conv import (blocked_native, conv_backward, conv_forward, plan, plan_count,
+                   samples_per_call, scratch_bytes)
 from .library import available, version
 
 __all__ = ["available", "version", "plan", "plan_count", "scratch_bytes", "samples_per_call",
-           "conv_forward", "conv_backward"]
+           "conv_forward", "conv_backward", "blocked_native", "batchnorm_plan"]

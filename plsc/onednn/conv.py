@@ -1,10 +1,12 @@
-"""oneDNN convolutions on plain NCHW float32 memory: forward, data gradient, weight gradient.
+"""oneDNN convolutions on float32 memory: forward, data gradient, weight gradient.
 
 Paddle 3.3's CPU `conv2d` and its gradients lower to im2col and a GEMM; oneDNN (the library
 torch's CPU convolutions run on too) has direct kernels for blocked layouts. The forward
 chooses its layouts and the gradients take the same activation layouts (`_gradient_pd`); a
 plain input is reordered into them and a result back, both by oneDNN, and the weight gradient
-reads the output gradient the data gradient already reordered.
+reads the output gradient the data gradient already reordered. An input or output given in
+the blocked layout itself (nChw16c, `blocked_in` / `blocked_out`: a backbone that keeps its
+activations blocked, `plsc.models.blocked`) is read and written where it is, with no reorder.
 
 One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias) holds the
 primitives and their reorders; plans are built on first use and kept for the process. The
@@ -17,11 +19,13 @@ import ctypes
 from .library import (ARG_BIAS, ARG_DIFF_BIAS, ARG_DIFF_DST, ARG_DIFF_SRC, ARG_DIFF_WEIGHTS,
                       ARG_DST, ARG_SRC, ARG_WEIGHTS, CONVOLUTION_DIRECT, FORWARD_TRAINING,
                       QUERY_DIFF_DST, QUERY_DIFF_SRC, QUERY_DIFF_WEIGHTS, QUERY_DST, QUERY_SRC,
-                      QUERY_WEIGHTS, SCRATCH, TAG_A, TAG_ABCD, TAG_ABCDE, TAG_ANY, Arg, dims, engine,
-                      execute, lib, md, memory, ok, primitive, set_handle, vp)
+                      QUERY_WEIGHTS, SCRATCH, TAG_A, TAG_ABCD, TAG_ABCD16B, TAG_ABCDE, TAG_ANY, Arg,
+                      dims, engine, execute, lib, md, memory, ok, primitive, set_handle, vp)
 
 __all__ = ["plan", "plan_count", "scratch_bytes", "samples_per_call", "conv_forward",
-           "conv_backward", "NO_GRAD_CALL_BYTES"]
+           "conv_backward", "blocked_native", "NO_GRAD_CALL_BYTES", "BLOCK"]
+
+BLOCK = 16  # channels a block of the blocked layout (TAG_ABCD16B) holds
 
 _plans = {}
 # The shared scratch slot (`library.SCRATCH`) of each argument. No primitive has two arguments
@@ -37,7 +41,8 @@ _SLOTS = {"src": "a", "diff_src": "a", "dst": "b", "diff_dst": "b", "weights": "
 class _Plan:
     """The primitives of one convolution geometry: forward, then (on first use) the gradients."""
 
-    def __init__(self, x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias):
+    def __init__(self, x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias,
+                 blocked_in=False, blocked_out=False):
         n, c, h, w = x_shape
         o, _, kh, kw = w_shape
         oh = (h + pad_l[0] + pad_r[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -50,10 +55,14 @@ class _Plan:
             w_dims, w_tag = (groups, o // groups) + tuple(w_shape[1:]), TAG_ABCDE
         self.geometry = (dims(stride), dims([d - 1 for d in dilation]), dims(pad_l),
                          dims(pad_r))
-        self.plain = {"src": md(x_shape, TAG_ABCD), "weights": md(w_dims, w_tag),
-                      "dst": md(self.out_shape, TAG_ABCD)}
-        self.any = {"src": md(x_shape, TAG_ANY), "weights": md(w_dims, TAG_ANY),
-                    "dst": md(self.out_shape, TAG_ANY)}
+        # the layouts the tensors hold ("plain" unless given blocked) and the ones oneDNN may
+        # choose from ("any", or the blocked layout given)
+        src_tag, dst_tag = (TAG_ABCD16B if b else TAG_ABCD for b in (blocked_in, blocked_out))
+        self.plain = {"src": md(x_shape, src_tag), "weights": md(w_dims, w_tag),
+                      "dst": md(self.out_shape, dst_tag)}
+        self.any = {"src": self.plain["src"] if blocked_in else md(x_shape, TAG_ANY),
+                    "weights": md(w_dims, TAG_ANY),
+                    "dst": self.plain["dst"] if blocked_out else md(self.out_shape, TAG_ANY)}
         self.bias_md = md((o,), TAG_A) if bias else None
         self.fwd_pd = vp()
         ok(lib().dnnl_convolution_forward_primitive_desc_create(
@@ -152,14 +161,31 @@ class _Plan:
             args["diff_weights"].stage_out(dw_ptr)
 
 
-def plan(x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias):
-    """The `_Plan` of this geometry (built on first use; the library must be `available`)."""
+def plan(x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias, blocked_in=False,
+         blocked_out=False):
+    """The `_Plan` of this geometry and layout (built on first use; the library must be
+    `available`). `x_shape` is the logical NCHW shape whatever the layout."""
     key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(pad_l), tuple(pad_r),
-           tuple(dilation), int(groups), bool(bias))
+           tuple(dilation), int(groups), bool(bias), bool(blocked_in), bool(blocked_out))
     found = _plans.get(key)
     if found is None:
         found = _plans[key] = _Plan(*key)
     return found
+
+
+_native = []
+
+
+def blocked_native():
+    """True when oneDNN, left to choose, puts a convolution's output in the blocked layout
+    (`TAG_ABCD16B`: its AVX-512 kernels), so that keeping activations in it costs no kernel
+    speed. Asked once a process, of a 16-to-16-channel 3x3 convolution."""
+    if not _native:
+        p = _Plan((2, BLOCK, 8, 8), (BLOCK, BLOCK, 3, 3), (1, 1), (1, 1), (1, 1), (1, 1), 1,
+                  False)  # not kept among the plans
+        blocked = md(p.out_shape, TAG_ABCD16B)
+        _native.append(bool(lib().dnnl_memory_desc_equal(p.fwd_args["dst"].wanted, blocked)))
+    return _native[0]
 
 
 def plan_count():
@@ -189,7 +215,7 @@ def samples_per_call(p, n):
 
 
 def conv_forward(p, x_ptr, w_ptr, b_ptr, y_ptr):
-    """y = conv(x, w) (+ b) on plain NCHW float32 memory at the given addresses."""
+    """y = conv(x, w) (+ b) on float32 memory at the given addresses, in the plan's layouts."""
     p.forward(x_ptr, w_ptr, b_ptr, y_ptr)
 
 

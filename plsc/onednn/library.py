@@ -16,6 +16,7 @@ __all__ = ["available", "version", "lib", "engine", "ok", "md", "memory", "set_h
 # library's own dnnl_*2str at load (`_check_enums`).
 F32 = 3
 TAG_ANY, TAG_A, TAG_ABCD, TAG_ABCDE = 1, 2, 5, 6
+TAG_ABCD16B = 78  # aBcd16b: NCHW with the channels in blocks of 16 (nChw16c)
 FORWARD_TRAINING, BACKWARD_DATA, BACKWARD_WEIGHTS = 64, 160, 192
 CONVOLUTION_DIRECT = 1
 SOFTMAX_ACCURATE = 0x30000
@@ -82,6 +83,11 @@ def _declare(lib):
         "dnnl_layer_normalization_backward_primitive_desc_create": [
             ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, vp, ctypes.c_float, ctypes.c_uint,
             vp, vp],
+        "dnnl_batch_normalization_forward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, ctypes.c_float, ctypes.c_uint, vp],
+        "dnnl_batch_normalization_backward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, ctypes.c_float, ctypes.c_uint,
+            vp, vp],
         "dnnl_eltwise_forward_primitive_desc_create": [
             ctypes.POINTER(vp), vp, ctypes.c_int, ctypes.c_int, vp, vp, ctypes.c_float,
             ctypes.c_float, vp],
@@ -107,7 +113,8 @@ def _declare(lib):
 def _check_enums(lib):
     expected = [("dnnl_dt2str", F32, b"f32"), ("dnnl_fmt_tag2str", TAG_ANY, b"any"),
                 ("dnnl_fmt_tag2str", TAG_A, b"a"), ("dnnl_fmt_tag2str", TAG_ABCD, b"abcd"),
-                ("dnnl_fmt_tag2str", TAG_ABCDE, b"abcde"), ("dnnl_fmt_tag2str", TAG_AB, b"ab"),
+                ("dnnl_fmt_tag2str", TAG_ABCDE, b"abcde"),
+                ("dnnl_fmt_tag2str", TAG_ABCD16B, b"aBcd16b"), ("dnnl_fmt_tag2str", TAG_AB, b"ab"),
                 ("dnnl_prop_kind2str", BACKWARD, b"backward"),
                 ("dnnl_alg_kind2str", SOFTMAX_ACCURATE, b"softmax_accurate"),
                 ("dnnl_alg_kind2str", ELTWISE_CLIP_V2, b"eltwise_clip_v2"),

@@ -1,0 +1,198 @@
+"""Activations kept blocked (nChw16c, `plsc.models.blocked`): each layer that takes them against
+an oracle on the plain layout (float64 numpy for BatchNorm and PReLU, Paddle's conv2d and its
+autograd for the convolution), and IResNet's blocked run against its own plain run."""
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+
+from plsc import onednn
+from plsc.models import blocked, iresnet_tiny
+from plsc.models.batchnorm import BatchNorm2D
+from plsc.models.conv import Conv2D
+from plsc.models.prelu import prelu
+
+EPS = 1e-5
+
+
+def _to_blocked(a):
+    n, c, h, w = a.shape
+    return np.ascontiguousarray(a.reshape(n, c // 16, 16, h, w).transpose(0, 1, 3, 4, 2))
+
+
+def _to_plain(b):
+    n, cb, h, w, _ = b.shape
+    return b.transpose(0, 1, 4, 2, 3).reshape(n, cb * 16, h, w)
+
+
+def _close(got, want, rel, name=""):
+    scale = max(1e-30, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * scale, err_msg=name)
+
+
+def test_layout_round_trip_and_bad_channels():
+    x = np.random.default_rng(0).standard_normal((2, 32, 3, 5)).astype(np.float32)
+    b = blocked.to_blocked(paddle.to_tensor(x))
+    assert b.shape == [2, 2, 3, 5, 16] and blocked.is_blocked(b)
+    assert np.array_equal(b.numpy(), _to_blocked(x))
+    assert blocked.logical_shape(b) == [2, 32, 3, 5]
+    assert np.array_equal(blocked.to_plain(b).numpy(), x)
+    with pytest.raises(ValueError, match="multiples of 16, got 24"):
+        blocked.to_blocked(paddle.zeros([1, 24, 2, 2]))
+
+
+def _batch_norm64(x, w, b, g):
+    """Training batch norm and its gradients in float64 (biased batch variance)."""
+    x, g = x.astype(np.float64), g.astype(np.float64)
+    axes = (0, 2, 3)
+    mean, var = x.mean(axis=axes), x.var(axis=axes)
+    c = lambda v: v.reshape(1, -1, 1, 1)  # noqa: E731
+    xhat = (x - c(mean)) / c(np.sqrt(var + EPS))
+    dx = c(w / np.sqrt(var + EPS)) * (g - c(g.mean(axis=axes)) - xhat * c((g * xhat).mean(axis=axes)))
+    return xhat * c(w) + c(b), dx, (g * xhat).sum(axis=axes), g.sum(axis=axes), mean, var
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_batch_norm_on_blocked_data_matches_float64(unbiased):
+    rng = np.random.default_rng(1)
+    shape = (4, 32, 5, 6)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    layer = BatchNorm2D(32, epsilon=EPS)
+    layer.unbiased_var = unbiased
+    w, b = rng.uniform(0.5, 1.5, 32).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    layer.weight.set_value(w)
+    layer.bias.set_value(b)
+    xb = paddle.to_tensor(_to_blocked(x), stop_gradient=False)
+    y = layer(xb)
+    assert y.shape == [4, 2, 5, 6, 16]
+    assert (shape, EPS) in onednn.batchnorm._plans  # oneDNN's kernel ran
+    y.backward(paddle.to_tensor(_to_blocked(g)))
+    want_y, want_dx, want_dw, want_db, mean, var = _batch_norm64(x, w, b, g)
+    _close(_to_plain(y.numpy()), want_y, 1e-5, "y")
+    _close(_to_plain(xb.grad.numpy()), want_dx, 1e-5, "dx")
+    _close(layer.weight.grad.numpy(), want_dw, 1e-5, "dw")
+    _close(layer.bias.grad.numpy(), want_db, 1e-5, "db")
+    n = shape[0] * shape[2] * shape[3]
+    run_var = 0.9 + 0.1 * (var * n / (n - 1) if unbiased else var)  # from 1, momentum 0.1
+    _close(layer._mean.numpy(), 0.1 * mean, 1e-6, "running mean")
+    _close(layer._variance.numpy(), run_var, 1e-6, "running var")
+    other = 0.9 + 0.1 * (var if unbiased else var * n / (n - 1))
+    assert np.abs(other - run_var).max() > 100 * 1e-6 * np.abs(run_var).max()
+    layer.eval()
+    e = layer(paddle.to_tensor(_to_blocked(x))).numpy()
+    c = lambda v: v.reshape(1, -1, 1, 1).astype(np.float64)  # noqa: E731
+    want_e = (x - c(layer._mean.numpy())) / np.sqrt(c(layer._variance.numpy()) + EPS) * c(w) + c(b)
+    _close(_to_plain(e), want_e, 1e-5, "eval")
+
+
+@pytest.mark.parametrize("slopes", [32, 1, "outside"])
+def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 32, 4, 5)).astype(np.float32)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    a = rng.uniform(0, 1, 1 if slopes == 1 else 32).astype(np.float32)
+    if slopes == "outside":
+        a[3] = 1.5  # not the numpy kernels' range: Paddle's op on the plain layout
+    xb = paddle.to_tensor(_to_blocked(x), stop_gradient=False)
+    ab = paddle.to_tensor(a, stop_gradient=False)
+    y = prelu(xb, ab)
+    assert y.shape == [3, 2, 4, 5, 16]
+    y.backward(paddle.to_tensor(_to_blocked(g)))
+    xp = paddle.to_tensor(x, stop_gradient=False)
+    ap = paddle.to_tensor(a, stop_gradient=False)
+    yp = F.prelu(xp, ap)
+    yp.backward(paddle.to_tensor(g))
+    assert np.array_equal(_to_plain(y.numpy()), yp.numpy())  # bit for bit, as on plain data
+    assert np.array_equal(_to_plain(xb.grad.numpy()), xp.grad.numpy())
+    slope = a.astype(np.float64).reshape(1, -1, 1, 1) if a.size > 1 else float(a[0])
+    contrib = np.where(x > 0, 0.0, g.astype(np.float64) * x)
+    da = contrib.sum(axis=(0, 2, 3)) if a.size > 1 else contrib.sum(keepdims=True).reshape(1)
+    np.testing.assert_allclose(ab.grad.numpy(), da, rtol=2e-5, atol=1e-4)
+    assert np.array_equal(_to_plain(y.numpy()), np.where(x > 0, x, slope * x).astype(np.float32))
+
+
+# in, out, kernel, stride, bias, blocked input (else a plain input asked for a blocked output)
+CONVS = [(3, 16, 3, 1, False, False), (16, 32, 3, 2, False, True), (32, 32, 1, 2, True, True),
+         (32, 16, 3, 1, False, True)]
+
+
+@pytest.mark.parametrize("case", CONVS)
+def test_conv_on_blocked_data_matches_paddle_conv2d(case, monkeypatch):
+    if not onednn.blocked_native():
+        pytest.skip("oneDNN does not choose the blocked layout on this CPU")
+    cin, cout, k, stride, bias, blocked_in = case
+    paddle.seed(3)
+    conv = Conv2D(cin, cout, k, stride=stride, padding=k // 2, bias_attr=None if bias else False)
+    conv.emit_blocked = True
+    x = np.random.default_rng(4).standard_normal((3, cin, 10, 9)).astype(np.float32)
+    xt = paddle.to_tensor(_to_blocked(x) if blocked_in else x, stop_gradient=False)
+    y = conv(xt)
+    assert blocked.is_blocked(y)
+    g = np.random.default_rng(5).standard_normal(blocked.logical_shape(y)).astype(np.float32)
+    y.backward(paddle.to_tensor(_to_blocked(g)))
+    xp = paddle.to_tensor(x, stop_gradient=False)
+    wp = conv.weight.detach()
+    wp.stop_gradient = False
+    bp = conv.bias.detach() if bias else None
+    if bias:
+        bp.stop_gradient = False
+    yp = F.conv2d(xp, wp, bp, stride=stride, padding=k // 2)
+    yp.backward(paddle.to_tensor(g))
+    _close(_to_plain(y.numpy()), yp.numpy(), 2e-5, "y")
+    dx = xt.grad.numpy()
+    _close(_to_plain(dx) if blocked_in else dx, xp.grad.numpy(), 2e-5, "dx")
+    _close(conv.weight.grad.numpy(), wp.grad.numpy(), 2e-5, "dw")
+    if bias:
+        _close(conv.bias.grad.numpy(), bp.grad.numpy(), 2e-5, "db")
+    # without gradients, in pieces of one sample where the input is staged: the same values
+    monkeypatch.setattr(onednn.conv, "NO_GRAD_CALL_BYTES", 1)
+    with paddle.no_grad():
+        y_ng = conv(xt.detach())
+    assert np.array_equal(y_ng.numpy(), y.numpy())
+
+
+def _train_and_eval(model, x, r):
+    model.train()
+    y = model(x)
+    (y * r).sum().backward()
+    grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.clear_gradient(False)
+    stats = {n: v.numpy() for n, v in model.state_dict().items()
+             if n.endswith("_mean") or n.endswith("_variance")}
+    model.eval()
+    with paddle.no_grad():
+        e = model(x).numpy()
+    return y.numpy(), grads, stats, e
+
+
+def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
+    paddle.seed(6)
+    model = iresnet_tiny(input_size=(32, 32), embedding_size=32)
+    seen = []
+    model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    x = paddle.to_tensor(np.random.default_rng(7).standard_normal((4, 3, 32, 32)).astype("float32"))
+    r = paddle.to_tensor(np.random.default_rng(8).standard_normal((4, 32)).astype("float32"))
+    got = _train_and_eval(model, x, r)
+    native = kernels == "cpu" and onednn.blocked_native()
+    assert seen == ([5, 5] if native else [4, 4])  # the training and the evaluation forward
+    if not native:
+        return
+    model.set_state_dict(start)
+    model.conv1.emit_blocked = False  # the plain oneDNN run
+    want = _train_and_eval(model, x, r)
+    assert seen[2:] == [4, 4]
+    _close(got[0], want[0], 1e-5, "embeddings")
+    assert got[1].keys() == want[1].keys()
+    # a bias that a BatchNorm follows has a gradient of 0 up to rounding: an absolute floor
+    floor = 1e-5 * max(float(np.abs(g).max()) for g in want[1].values())
+    for name in want[1]:
+        np.testing.assert_allclose(got[1][name], want[1][name], rtol=0,
+                                   atol=2e-3 * np.abs(want[1][name]).max() + floor, err_msg=name)
+    for name in want[2]:
+        np.testing.assert_allclose(got[2][name], want[2][name], rtol=0,
+                                   atol=1e-5 * np.sqrt(np.abs(want[2][name]).max()) + 1e-7,
+                                   err_msg=name)
+    _close(got[3], want[3], 1e-5, "evaluation")
