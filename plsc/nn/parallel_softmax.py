@@ -56,10 +56,14 @@ from .softmax_stages import (_gather, _gather_grad, _logits, _logits_grad, _loss
 __all__ = ["parallel_softmax_cross_entropy", "filter_bound", "put_along_", "as_numpy"]
 
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
-# A block's weight gradient (and a 16- or 8-bit block's float32 rows) up to this size is one
-# GEMM: one 4,096-row slab at d = 512. Wider blocks go a slab at a time, so the step's fixed
-# buffers beside its logits are slabs, not blocks (docs/memory_and_benchmarks.md).
+# A 16- or 8-bit block's weight gradient (and float32 rows) up to this size is one GEMM: one
+# 4,096-row slab at d = 512. Wider blocks go a slab at a time, so the step's fixed buffers
+# beside its logits are slabs, not blocks (docs/memory_and_benchmarks.md).
 _WGRAD_BLOCK_BYTES = 8 << 20
+# A float32 weight's budget, in those: 64 MiB, a 25,000-class block's gradient at d = 512 in
+# one GEMM, scaled in place (its slabs cost 1.5-2.4 % of a chunked step and no peak memory:
+# docs/memory_and_benchmarks.md, "Head steps against the issue's start").
+_F32_WGRAD_BLOCKS = 8
 # The device set's budget for the same (and for a narrow block's float32 rows): one slab of
 # `DEVICE_SLAB_BYTES` (256 MiB), so a Partial FC step's sampled rows are one slab.
 _DEVICE_WGRAD_BYTES = DEVICE_SLAB_BYTES
@@ -99,6 +103,12 @@ class _ParallelSoftmaxCE(PyLayer):
         return grads + ((d_b,) if step.bias is not None else ()) + (None,)
 
 
+def wgrad_block_bytes(float32):
+    """Bytes of a block's weight gradient that one GEMM takes on the CPU set, for a float32
+    weight or (`float32` false) a 16- or 8-bit one."""
+    return _WGRAD_BLOCK_BYTES * (_F32_WGRAD_BLOCKS if float32 else 1)
+
+
 def _new_step(weight, margin, group, chunk_size, workspace, grad_into_weight, row_update,
               sub_centers, threshold):
     """The call's `_Step`: the options checked, the dense path where one block would hold every
@@ -111,7 +121,8 @@ def _new_step(weight, margin, group, chunk_size, workspace, grad_into_weight, ro
     if chunk_size is not None and int(chunk_size) * sub_centers >= weight.shape[0]:
         chunk_size = None
     filter_above = filter_bound(threshold, margin.scale) if threshold > 0 else None
-    budget = _SlabBudget(_WGRAD_BLOCK_BYTES, _WGRAD_SLAB, _DEVICE_WGRAD_BYTES)
+    block_bytes = wgrad_block_bytes(storage.is_float32(weight))
+    budget = _SlabBudget(block_bytes, _WGRAD_SLAB, _DEVICE_WGRAD_BYTES)
     return _Step(margin, group, chunk_size, workspace, grad_into_weight, row_update, sub_centers,
                  filter_above, budget)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ... import storage
 from ...nn import PartialFC
-from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, _WGRAD_BLOCK_BYTES
+from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, wgrad_block_bytes
 from ...numerics import DEVICE_SLAB_BYTES
 from ..builders import build_head_optimizer, build_margin_from_config
 
@@ -100,8 +100,10 @@ def head_workspace(s, device):
     out["inverse centre norms"] = 4 * s.rows_used * k
     if s.rows_used < s.num_local:  # Partial FC's gathered rows (their gradient written over them)
         out["sampled rows"] = s.rows_used * (s.row_bytes if s.stored_rows else 4 * d * k)
-    wgrad = _DEVICE_WGRAD_BYTES if device else _WGRAD_BLOCK_BYTES
     narrow = s.row_bytes < 4 * d * k or s.stored_rows
+    # the head's weight is float32 when stored so, or as Partial FC's float32 copy of its rows
+    float32 = s.row_bytes >= 4 * d * k or (s.rows_used < s.num_local and not s.stored_rows)
+    wgrad = _DEVICE_WGRAD_BYTES if device else wgrad_block_bytes(float32)
     if narrow:  # a block's rows read as float32, a slab at a time beyond the budget
         out["float32 rows of a block"] = min(wgrad, 4 * d * k * width)
     out["weight gradient slab"] = min(wgrad, 4 * d * k * width)
