@@ -99,8 +99,10 @@ class Conv2D(nn.Conv2D):
     under `paddle.no_grad` (an evaluation) the forward alone, in pieces of the batch that keep
     oneDNN's shared scratch at the size training gave it.
 
-    A blocked input (`plsc.models.blocked`) gives a blocked output; with `emit_blocked` set, a
-    plain input does too where oneDNN's own choice is that layout (`onednn.blocked_native`)."""
+    A blocked input (`plsc.models.blocked`) gives a blocked output, and with `emit_blocked`
+    set a plain input does too where oneDNN's own choice is that layout
+    (`onednn.blocked_native`), unless the output's channels do not fill blocks of 16 or the
+    convolution is grouped (then the output is plain)."""
 
     emit_blocked = False
 
@@ -109,9 +111,8 @@ class Conv2D(nn.Conv2D):
         if padding is None or not takes_onednn(x, self.weight):
             return super().forward(blocked.to_plain(x) if blocked.is_blocked(x) else x)
         geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
-        blocked_out = blocked.is_blocked(x) or (
-            self.emit_blocked and self._groups == 1 and self._out_channels % blocked.BLOCK == 0
-            and onednn.blocked_native())
+        blocked_out = ((blocked.is_blocked(x) or (self.emit_blocked and onednn.blocked_native()))
+                       and self._groups == 1 and self._out_channels % blocked.BLOCK == 0)
         if not paddle.is_grad_enabled():
             return _forward_no_grad(x, self.weight, self.bias, geometry, blocked_out)
         return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry, blocked_out)

@@ -6,7 +6,7 @@ at a time, the same GEMM shapes either way, to one of:
 - a sink (`step.sink(lo, hi, weight_grad, bias_grad)`) that writes it over the weight itself
   (`_over_weight`: Partial FC's scratch rows), rounds it into a 16-bit array (`_into_narrow`),
   or is `row_update`, which applies the optimizer to those rows at once, so that no
-  weight-gradient array exists (at most an 8 MiB block of it).
+  weight-gradient array exists (at most one block of it, `wgrad_block_bytes`).
 
 `_open_grads` chooses at the start of the backward, `_slabs` and `_weight_grad_rows` produce
 the rows, `_close_grads` hands over the bias's and drops the arrays.
@@ -41,11 +41,12 @@ def _open_grads(step, n):
 def _slabs(step, buf, inv_w, d):
     """(lo, hi, columns [lo, hi) of `buf` times `inv_w[lo:hi]`) over the block: the whole
     block, scaled in place, when its weight gradient takes at most the budget's `block_bytes`
-    (8 MiB); else slabs of `slab` columns, each scaled into one contiguous scratch
-    (the GEMMs need contiguous operands, and a column slab of `buf` is a strided view), so the
-    scaling and the copy are one pass. Both paths of the weight gradient (into an array, or
-    into `step.sink`) see the same slabs, so they agree bit for bit whatever the BLAS kernel
-    (MKL's AVX2 kernels round a row differently for different row counts)."""
+    (64 MiB for a float32 weight, 8 MiB for a 16- or 8-bit one); else slabs of `slab`
+    columns, each scaled into one contiguous scratch (the GEMMs need contiguous operands, and
+    a column slab of `buf` is a strided view), so the scaling and the copy are one pass. Both
+    paths of the weight gradient (into an array, or into `step.sink`) see the same slabs, so
+    they agree bit for bit whatever the BLAS kernel (MKL's AVX2 kernels round a row
+    differently for different row counts)."""
     width = buf.shape[1]
     budget, slab = _wgrad_plan(step, d)
     if width * d * 4 <= budget:

@@ -62,7 +62,7 @@ _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per 
 _WGRAD_BLOCK_BYTES = 8 << 20
 # A float32 weight's budget, in those: 64 MiB, a 25,000-class block's gradient at d = 512 in
 # one GEMM, scaled in place (its slabs cost 1.5-2.4 % of a chunked step and no peak memory:
-# docs/memory_and_benchmarks.md, "Head steps against the start").
+# docs/memory_and_benchmarks.md, "The logit-free head").
 _F32_WGRAD_BLOCKS = 8
 # The device set's budget for the same (and for a narrow block's float32 rows): one slab of
 # `DEVICE_SLAB_BYTES` (256 MiB), so a Partial FC step's sampled rows are one slab.
