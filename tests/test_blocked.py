@@ -7,7 +7,7 @@ import paddle.nn.functional as F
 import pytest
 
 from plsc import onednn
-from plsc.models import blocked, iresnet_tiny
+from plsc.models import IResNet, blocked, iresnet_tiny
 from plsc.models.batchnorm import BatchNorm2D
 from plsc.models.conv import Conv2D
 from plsc.models.prelu import prelu
@@ -81,10 +81,17 @@ def test_batch_norm_on_blocked_data_matches_float64(unbiased):
     other = 0.9 + 0.1 * (var if unbiased else var * n / (n - 1))
     assert np.abs(other - run_var).max() > 100 * 1e-6 * np.abs(run_var).max()
     layer.eval()
-    e = layer(paddle.to_tensor(_to_blocked(x))).numpy()
     c = lambda v: v.reshape(1, -1, 1, 1).astype(np.float64)  # noqa: E731
     want_e = (x - c(layer._mean.numpy())) / np.sqrt(c(layer._variance.numpy()) + EPS) * c(w) + c(b)
-    _close(_to_plain(e), want_e, 1e-5, "eval")
+    with paddle.no_grad():  # oneDNN's inference kernel
+        e = layer(paddle.to_tensor(_to_blocked(x)))
+    _close(_to_plain(e.numpy()), want_e, 1e-5, "eval")
+    xe = paddle.to_tensor(_to_blocked(x), stop_gradient=False)  # with gradients: Paddle's
+    e = layer(xe)
+    _close(_to_plain(e.numpy()), want_e, 1e-5, "eval with gradients")
+    e.backward(paddle.to_tensor(_to_blocked(g)))
+    _close(_to_plain(xe.grad.numpy()), c(w) / np.sqrt(c(layer._variance.numpy()) + EPS) * g,
+           1e-5, "eval dx")
 
 
 @pytest.mark.parametrize("slopes", [32, 1, "outside"])
@@ -172,7 +179,8 @@ def _train_and_eval(model, x, r):
 
 def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
     paddle.seed(6)
-    model = iresnet_tiny(input_size=(32, 32), embedding_size=32)
+    model = IResNet((1, 1, 1, 1), widths=(64, 64, 128, 128), input_size=(32, 32),
+                    embedding_size=32)
     seen = []
     model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -199,3 +207,12 @@ def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
                                    atol=1e-5 * np.sqrt(np.abs(want[2][name]).max()) + 1e-7,
                                    err_msg=name)
     _close(got[3], want[3], 1e-5, "evaluation")
+
+
+def test_narrow_iresnets_stay_plain():
+    """Below a stem of 64 channels (the demo's IResNetTiny) nothing is blocked."""
+    model = iresnet_tiny(input_size=(32, 32), embedding_size=32)
+    seen = []
+    model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
+    model(paddle.randn([2, 3, 32, 32]))
+    assert not model.conv1.emit_blocked and seen == [4]

@@ -16,7 +16,7 @@ any other path (a GPU, ``PLSC_KERNELS=device``, export, other dtypes) nothing is
 """
 import paddle
 
-__all__ = ["BLOCK", "is_blocked", "logical_shape", "to_plain", "to_blocked", "channel_view"]
+__all__ = ["BLOCK", "is_blocked", "logical_shape", "to_plain", "to_blocked"]
 
 BLOCK = 16  # = plsc.onednn.conv.BLOCK
 
@@ -44,7 +44,3 @@ def to_blocked(x):
         raise ValueError(f"a blocked layout needs channels in multiples of {BLOCK}, got {c}")
     return paddle.transpose(x.reshape([n, c // BLOCK, BLOCK, h, w]), [0, 1, 3, 4, 2]).contiguous()
 
-
-def channel_view(v):
-    """A per-channel vector [C] shaped to broadcast against a blocked activation."""
-    return v.reshape([1, -1, 1, 1, BLOCK])

@@ -23,6 +23,11 @@ IRESNET_DEPTHS = {
     200: (6, 26, 60, 6),
 }
 CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
+# The stem width from which the activations stay blocked (`plsc.models.blocked`): arcface_torch's
+# IResNets (64). Narrower ones stay plain: the demo's IResNetTiny (16-128 channels, 56 px)
+# trained 150 steps of `tools/train.py` in 64.6 s blocked against 55.5 s plain
+# (docs/performance.md, "IResNet50's step, primitive by primitive").
+BLOCKED_FROM_WIDTH = 64
 
 
 def _conv(in_channels, out_channels, kernel_size, stride=1):
@@ -90,7 +95,8 @@ class IResNet(nn.Layer):
 
         self.conv1 = _conv(3, self.widths[0], 3)
         # on oneDNN, activations stay blocked from the stem to the last BatchNorm
-        self.conv1.emit_blocked = all(w % blocked.BLOCK == 0 for w in self.widths)
+        self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH
+                                   and all(w % blocked.BLOCK == 0 for w in self.widths))
         self.bn1 = _bn(self.widths[0])
         self.prelu = PReLU(self.widths[0])
         in_channels = self.widths[0]

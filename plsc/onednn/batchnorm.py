@@ -5,15 +5,17 @@ For a backbone that keeps its activations in oneDNN's blocked layout (nChw16c,
 on the plain layout (IResNet50's largest map, [32, 64, 112, 112], one thread: 14.3 + 17.4 ms
 against 22.0 + 43.9, docs/performance.md), while on the plain layout it is slower. The forward
 returns the batch's mean and biased variance (the running statistics are the caller's); the
-backward gives dx, d(scale) and d(shift). One plan per (shape, epsilon), kept for the process.
+backward gives dx, d(scale) and d(shift); `infer` normalises with given (running) statistics,
+without gradients. One plan per (shape, epsilon), kept for the process.
 """
 import ctypes
 
 from .conv import BLOCK
 from .library import (ARG_DIFF_DST, ARG_DIFF_SCALE, ARG_DIFF_SHIFT, ARG_DIFF_SRC, ARG_DST,
                       ARG_MEAN, ARG_SCALE, ARG_SHIFT, ARG_SRC, ARG_VARIANCE, BACKWARD,
-                      FORWARD_TRAINING, TAG_A, TAG_ABCD16B, USE_SCALE, USE_SHIFT, engine,
-                      execute, lib, md, memory, ok, primitive, set_handle, vp)
+                      FORWARD_INFERENCE, FORWARD_TRAINING, TAG_A, TAG_ABCD16B, USE_GLOBAL_STATS,
+                      USE_SCALE, USE_SHIFT, engine, execute, lib, md, memory, ok, primitive,
+                      set_handle, vp)
 
 __all__ = ["batchnorm_plan"]
 
@@ -33,7 +35,7 @@ class _BatchNorm:
             ctypes.byref(self.fwd_pd), engine(), FORWARD_TRAINING, self.data, self.data,
             self.epsilon, _FLAGS, None), "batch_normalization_forward_primitive_desc_create")
         self.fwd = primitive(self.fwd_pd)
-        self.bwd = None
+        self.bwd = self.inference = None
         self.mem = {arg: memory(self.data) for arg in (ARG_SRC, ARG_DST, ARG_DIFF_DST,
                                                        ARG_DIFF_SRC)}
         self.mem.update({arg: memory(self.stat) for arg in (
@@ -50,6 +52,19 @@ class _BatchNorm:
         execute(self.fwd, self._bind({ARG_SRC: x_ptr, ARG_DST: y_ptr, ARG_SCALE: w_ptr,
                                       ARG_SHIFT: b_ptr, ARG_MEAN: mean_ptr,
                                       ARG_VARIANCE: var_ptr}))
+
+    def infer(self, x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, var_ptr):
+        """y = (x - mean) / sqrt(var + eps) * w + b over given (running) statistics."""
+        if self.inference is None:
+            pd = vp()
+            ok(lib().dnnl_batch_normalization_forward_primitive_desc_create(
+                ctypes.byref(pd), engine(), FORWARD_INFERENCE, self.data, self.data,
+                self.epsilon, _FLAGS | USE_GLOBAL_STATS, None),
+                "batch_normalization_forward_primitive_desc_create")
+            self.inference = primitive(pd)
+        execute(self.inference, self._bind({ARG_SRC: x_ptr, ARG_DST: y_ptr, ARG_SCALE: w_ptr,
+                                            ARG_SHIFT: b_ptr, ARG_MEAN: mean_ptr,
+                                            ARG_VARIANCE: var_ptr}))
 
     def backward(self, x_ptr, w_ptr, mean_ptr, var_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr):
         """dx, dw, db of `forward` for dy (mean and var: what the forward wrote)."""

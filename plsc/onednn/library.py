@@ -23,7 +23,8 @@ SOFTMAX_ACCURATE = 0x30000
 ELTWISE_CLIP_V2, ELTWISE_CLIP_V2_USE_DST = 0x2f, 0x106
 BACKWARD = 128
 TAG_AB = 3
-USE_SCALE, USE_SHIFT = 0x2, 0x4  # normalization flags
+USE_GLOBAL_STATS, USE_SCALE, USE_SHIFT = 0x1, 0x2, 0x4  # normalization flags
+FORWARD_INFERENCE = 96
 ARG_MEAN, ARG_VARIANCE, ARG_SCALE, ARG_SHIFT = 49, 50, 51, 52
 ARG_DIFF_SCALE, ARG_DIFF_SHIFT = 255, 256
 CPU_ENGINE = 1
@@ -121,6 +122,7 @@ def _check_enums(lib):
                 ("dnnl_alg_kind2str", ELTWISE_CLIP_V2_USE_DST,
                  b"eltwise_clip_v2_use_dst_for_bwd"),
                 ("dnnl_prop_kind2str", FORWARD_TRAINING, b"forward_training"),
+                ("dnnl_prop_kind2str", FORWARD_INFERENCE, b"forward_inference"),
                 ("dnnl_prop_kind2str", BACKWARD_DATA, b"backward_data"),
                 ("dnnl_prop_kind2str", BACKWARD_WEIGHTS, b"backward_weights"),
                 ("dnnl_alg_kind2str", CONVOLUTION_DIRECT, b"convolution_direct")]
