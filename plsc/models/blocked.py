@@ -16,10 +16,9 @@ any other path (a GPU, ``PLSC_KERNELS=device``, export, other dtypes) nothing is
 """
 import paddle
 
+from ..onednn.conv import BLOCK  # channels a block holds (16)
+
 __all__ = ["BLOCK", "is_blocked", "logical_shape", "to_plain", "to_blocked"]
-
-BLOCK = 16  # = plsc.onednn.conv.BLOCK
-
 
 def is_blocked(x):
     """True when `x` is a blocked activation ([N, C/16, H, W, 16])."""
