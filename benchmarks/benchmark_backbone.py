@@ -20,11 +20,11 @@ the trainer does. Reported: the best (min) of `--steps` steps after `--warmup` s
 
 Each measurement runs in its own fresh process (threads, MKL dispatch and allocator state do
 not leak from one to the next), this script started again with `--worker KIND`:
-- plsc_run: `import plsc` first, then `plsc.runtime.select_device("cpu")`, the CPU set-up a
-  run does (`plsc.runtime.start`): threads by plsc's rule (`set_cpu_threads`) and malloc
+- plsc_run: `import plsc` first, then `plsc.process.runtime.select_device("cpu")`, the CPU set-up a
+  run does (`plsc.process.runtime.start`): threads by plsc's rule (`set_cpu_threads`) and malloc
   keeping freed memory (`keep_freed_memory`); then `build_model(name)`.
 - plsc_loop: a user's own loop: `import plsc`, `from plsc.models import build_model`, nothing
-  else (building the model applies plsc's thread rule, `plsc.cpu_setup.ensure`).
+  else (building the model applies plsc's thread rule, `plsc.process.cpu_setup.ensure`).
 - torch: `--torch-python`'s interpreter with torch's default threads, the model from
   arcface_torch's own source: `backbones.get_model(name, num_features=512)` imported from the
   directory `--arcface-torch` (holding arcface_torch's `backbones/` package). Its vit.py imports
@@ -41,7 +41,7 @@ records the 1-minute load average when it starts and the OpenMP variables set. M
 idle machine.
 The threads each used are read from the process: Paddle's from the OpenMP runtime it bundles
 (omp_get_max_threads of paddle/libs/libiomp5.so, through ctypes), plsc's own kernels'
-(`plsc.runtime.kernel_threads`), torch's `torch.get_num_threads()`.
+(`plsc.process.runtime.kernel_threads`), torch's `torch.get_num_threads()`.
 
 `--profile` (one backbone, the first of `--backbones`) times one step after the warm-up
 under Paddle's profiler (plsc_run's set-up) and torch.profiler, each op counted once at the
@@ -205,12 +205,12 @@ def plsc_worker(kind, name, batch, warmup, steps, profile):
     import plsc  # noqa: F401  -- first: sets MKL's dispatch before Paddle loads
     setup = None
     if kind == "plsc_run":
-        from plsc import cpu_setup, runtime
+        from plsc.process import cpu_setup, runtime
         runtime.select_device("cpu")
         setup = [cpu_setup.NOTE, cpu_setup.MALLOC_NOTE]
     from plsc.models import build_model
     import paddle
-    from plsc import runtime
+    from plsc.process import runtime
 
     paddle.seed(0)
     model = build_model(name, embedding_size=EMBEDDING, input_size=(IMAGE_SIZE, IMAGE_SIZE))

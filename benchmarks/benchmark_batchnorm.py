@@ -9,7 +9,7 @@ backbone's BatchNorm forward time step by step. One JSON document.
 Candidates (each checked against Paddle's output and gradients: the largest error relative to
 the largest value, in "error"):
 - onednn_blocked: oneDNN's jit batch normalization (Paddle's bundled libdnnl.so.3 through
-  `plsc.onednn.library`) on channels in blocks of the vector width, the inputs reordered into
+  `plsc.kernels.onednn.library`) on channels in blocks of the vector width, the inputs reordered into
   that layout and the result back (in place in `library.SCRATCH`'s slots, as a layer would);
 - onednn_plain: oneDNN's batch normalization on the plain NCHW memory (its generic kernel);
 - numpy: the statistics per row (one image's channel) in L2-sized slabs, two-pass within a
@@ -47,7 +47,7 @@ class OneDNNBatchNorm:
     (`blocked`) or on the plain layout."""
 
     def __init__(self, shape, blocked):
-        from plsc.onednn import library as L
+        from plsc.kernels.onednn import library as L
         self.L = L
         lib = L.lib()
         vp, c_float, c_uint, c_int = L.vp, ctypes.c_float, ctypes.c_uint, ctypes.c_int
@@ -288,7 +288,7 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, REPO)
     import plsc  # noqa: F401  -- first: sets MKL's dispatch before Paddle loads
-    from plsc import cpu_setup, runtime
+    from plsc.process import cpu_setup, runtime
     runtime.select_device("cpu", cpu_threads=args.threads)
     clock_name = args.clock or ("cpu" if args.threads == 1 else "wall")
     clock = time.thread_time if clock_name == "cpu" else time.perf_counter

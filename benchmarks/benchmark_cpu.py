@@ -19,7 +19,7 @@ import sys
 import time
 
 import plsc  # noqa: F401  -- before Paddle: sets MKL's dispatch on AMD processors
-from plsc import runtime
+from plsc.process import runtime
 
 
 def _best(fn, repeats):
@@ -91,7 +91,7 @@ def backbone_step(name, batch, size, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads (default: plsc's choice, see plsc.runtime)")
+                        help="CPU threads (default: plsc's choice, see plsc.process.runtime)")
     parser.add_argument("--classes", type=int, default=100_000, help="head: class centres C")
     parser.add_argument("--batch-head", type=int, default=256, help="head: features N")
     parser.add_argument("--dim", type=int, default=512, help="head: embedding size d")

@@ -51,7 +51,7 @@ import paddle
 from paddle.base import core
 
 import plsc.distributed as pd
-from plsc import runtime
+from plsc.process import runtime
 from plsc.loss import MARGINS
 from plsc.nn import PartialFC
 from plsc.nn.sampling import sample_centres
@@ -401,7 +401,7 @@ def main(argv=None):
         if not 0.0 < r <= 1.0:
             raise SystemExit(f"--sample-ratio values must be in (0, 1], got {r}")
     pd.init()
-    if paddle.get_device() == "cpu":  # as a training run sets up the CPU (plsc.runtime)
+    if paddle.get_device() == "cpu":  # as a training run sets up the CPU (plsc.process.runtime)
         runtime.keep_freed_memory()
         runtime.set_cpu_threads()
     rank, world = pd.get_rank(), pd.get_world_size()

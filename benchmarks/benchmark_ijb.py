@@ -38,8 +38,8 @@ def benchmark(cfg, root, repeats):
 
     from plsc import distributed as pd
     from plsc.data import FaceTransform, IJBFaceDataset, read_ijb_meta
-    from plsc.builders import build_backbone
-    from plsc.runtime import start
+    from plsc.parts import build_backbone
+    from plsc.process.runtime import start
     from plsc.checkpoint import find_checkpoint
     from plsc.apps.ijb import evaluate_ijb
 

@@ -21,7 +21,7 @@ import paddle
 from paddle.profiler import Profiler, ProfilerTarget, TracerEventType
 
 from plsc.optim import SparseAdamW, SparseMomentum
-from plsc.quantized import Int8Rows
+from plsc.storage.int8 import Int8Rows
 
 CASES = {  # name: (optimizer class, storage of the centres and state)
     "sgd_float32": (SparseMomentum, "float32"),

@@ -23,7 +23,7 @@ def run(args):
     import numpy as np
     import paddle
     import paddle.distributed as dist
-    from plsc import runtime
+    from plsc.process import runtime
     from plsc.models import build_model
     from plsc.train.grad_sync import OverlappedSum, sum_gradients
 

@@ -8,7 +8,7 @@ capacity at the V100's 32,510 MiB. No GPU needed; docs/scaling.md shows the outp
 import argparse
 import copy
 
-from plsc import startup
+from plsc.process import startup
 
 startup.hold()
 

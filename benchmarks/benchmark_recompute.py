@@ -42,7 +42,7 @@ def child(args):
 
     from paddle.base import core
 
-    from plsc import runtime
+    from plsc.process import runtime
     from plsc.models import build_model
     runtime.set_cpu_threads(args.threads)
     runtime.keep_freed_memory()

@@ -4,8 +4,8 @@
 
 A write is `quantize` of a `[rows, dim]` float32 chunk with stochastic-rounding noise (as
 the optimizers write state), a read is `dequantize` of the codes back to float32, for each
-map: "int8" (linear), "int8_log", "uint8_log" (`plsc.quantized`), "int4" (linear),
-"int4_log", "uint4_log" (`plsc.quantized4`). Every round runs each once (a drift of the machine's speed hits all
+map: "int8" (linear), "int8_log", "uint8_log" (`plsc.storage.int8`), "int4" (linear),
+"int4_log", "uint4_log" (`plsc.storage.int4`). Every round runs each once (a drift of the machine's speed hits all
 alike); medians reported, of the wall time and of the thread's CPU time (which leaves out the
 time other processes held the core). One kernel thread, malloc as a training run keeps it.
 Prints JSON: milliseconds, and the ratios to the linear int8 map's.
@@ -19,7 +19,9 @@ import plsc  # noqa: F401  -- before Paddle: MKL's dispatch on AMD processors
 import numpy as np
 import paddle
 
-from plsc import cpu_setup, quantized, quantized4
+from plsc.process import cpu_setup
+
+from plsc.storage import int8 as quantized, int4 as quantized4
 
 MAPS = {"int8": quantized, "int8_log": quantized, "uint8_log": quantized,
         "int4": quantized4, "int4_log": quantized4, "uint4_log": quantized4}

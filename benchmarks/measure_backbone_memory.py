@@ -31,7 +31,7 @@ def _status(field):
 
 def child(args):
     import numpy as np
-    from plsc import cpu_setup
+    from plsc.process import cpu_setup
     cpu_setup.apply(1)
     cpu_setup.keep_freed_memory()
     import paddle

@@ -58,8 +58,8 @@ def _status():
 def _onednn_scratch_mb():
     """Bytes of the scratch buffers of plsc's oneDNN convolutions, and the plans made."""
     try:
-        from plsc import onednn
-        from plsc.onednn import conv, rows
+        from plsc.kernels import onednn
+        from plsc.kernels.onednn import conv, rows
     except ImportError:
         return {}
     held = 0
@@ -118,7 +118,7 @@ def main(argv=None):
     import benchmark_train as bt  # noqa: E402
     import paddle  # noqa: F401
     from plsc.config import apply_overrides, validate
-    from plsc import cpu_setup
+    from plsc.process import cpu_setup
     from plsc.train import Trainer
     probe = Probe()
     probe.records.append(dict(probe="start", step=None, **status0))

@@ -9,8 +9,9 @@ small collectives instead of gathering logits.
 
 __version__ = "0.1.0"
 
-from . import runtime as _runtime  # noqa: E402  (does not import Paddle)
+from .process import runtime as _runtime  # noqa: E402  (does not import Paddle)
 
+_runtime.hide_ccache_warning()  # before Paddle loads: its import warns that no ccache is on PATH
 _runtime.blas_dispatch()  # before any matrix product: MKL's AVX2 kernels on AMD processors
 
 __all__ = ["Entry", "__version__"]

@@ -1,7 +1,7 @@
 """The pieces every config-driven tool shares: `-c CONFIG -o Section.key=value`, turning a
 bad config or a missing file into one line on stderr and exit code 2, bad data into one line
 and exit code 65, an output folder in use or not writable into one line and 73 or 74, and a
-SIGTERM or SIGINT before the work is done into one line and exit code 75 (`plsc.startup`)."""
+SIGTERM or SIGINT before the work is done into one line and exit code 75 (`plsc.process.startup`)."""
 import argparse
 import atexit
 import json
@@ -9,9 +9,9 @@ import os
 import signal
 import sys
 
-from . import startup
+from .process import startup
 from .config import ConfigError, load_config
-from .exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from .process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 __all__ = ["config_parser", "add_onnx_options", "run_tool", "report_summary",
            "DATA_ERROR_EXIT_CODE"]
@@ -50,7 +50,7 @@ def run_tool(args, task, *extra, expected=(), before=None):
     output folder in use by another job (`FolderInUse`) or that cannot be written
     (`FolderNotWritable`) prints one line and gives 73 or 74. A SIGTERM or SIGINT ends the run
     with one line (`plsc: preempted before <before>; nothing to save ...`) and 75, until
-    training's own handling takes over (`plsc.startup`)."""
+    training's own handling takes over (`plsc.process.startup`)."""
     startup.hold()  # before Paddle is imported (tools/train.py holds from its first line)
     from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
     from .checkpoint.lock import FolderInUse, FolderNotWritable

@@ -2,8 +2,8 @@
 the config schema and the tools read them).
 
 - `FLOAT_DTYPES`: float head arrays (Paddle tensors of these dtypes).
-- `INT8_MAP_NAMES`: the 8-bit maps of `plsc.quantized` (a byte per value, a scale per row).
-- `INT4_MAP_NAMES`: the 4-bit maps of `plsc.quantized4` (two codes a byte, a scale per block).
+- `INT8_MAP_NAMES`: the 8-bit maps of `plsc.storage.int8` (a byte per value, a scale per row).
+- `INT4_MAP_NAMES`: the 4-bit maps of `plsc.storage.int4` (two codes a byte, a scale per block).
 - `HEAD_DTYPES`: what a head array or its optimizer state may be asked to be stored as ("int8"
   picks the map that suits the array).
 - `STATE_DTYPES`: what the head's optimizer state may be asked to be stored as: `HEAD_DTYPES`

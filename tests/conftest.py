@@ -174,8 +174,8 @@ def run_ranks_fixture():
 @pytest.fixture(params=("cpu", "device"))
 def kernels(request, monkeypatch):
     """The kernel set the test runs on: "cpu" (numpy kernels on CPU tensors) or "device"
-    (`PLSC_KERNELS=device`: Paddle ops only, what a GPU runs; `plsc.cpu_kernels.cpu_set`).
+    (`PLSC_KERNELS=device`: Paddle ops only, what a GPU runs; `plsc.kernels.cpu_kernels.cpu_set`).
     `pytestmark = pytest.mark.usefixtures("kernels")` runs every test of a module on both."""
-    from plsc.cpu_kernels import KERNELS_ENV
+    from plsc.kernels.cpu_kernels import KERNELS_ENV
     monkeypatch.setenv(KERNELS_ENV, "device" if request.param == "device" else "auto")
     return request.param

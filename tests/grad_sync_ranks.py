@@ -150,7 +150,7 @@ def main():
         for overlapped in (True, False):
             case = f"{wire}.{'overlapped' if overlapped else 'after'}"
             report.update({f"{case}.{k}": v for k, v in sum_case(rank, wire, overlapped).items()})
-    from plsc.cpu_kernels import KERNELS_ENV
+    from plsc.kernels.cpu_kernels import KERNELS_ENV
     os.environ[KERNELS_ENV] = "device"  # float16's gathered sum in Paddle's ops, as on a GPU
     for overlapped in (True, False):
         case = f"float16_device.{'overlapped' if overlapped else 'after'}"

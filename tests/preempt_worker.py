@@ -18,7 +18,7 @@ import sys
 import time
 
 import scripts
-from plsc import startup
+from plsc.process import startup
 
 startup.hold()  # as tools/train.py does, before Paddle is imported
 

@@ -72,7 +72,7 @@ import subprocess  # noqa: E402
 
 import rank_report  # noqa: E402
 import scripts  # noqa: E402
-from plsc import startup  # noqa: E402
+from plsc.process import startup  # noqa: E402
 
 startup.hold()  # as tools/train.py does, before Paddle is imported
 

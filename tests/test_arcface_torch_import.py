@@ -14,7 +14,7 @@ from plsc import torchfile
 from plsc.checkpoint import load_head_rows, read_meta
 from plsc.checkpoint.arcface_torch import _centres, arcface_torch_files, import_arcface_torch
 from plsc.models import plsc_to_insightface
-from plsc.builders import build_backbone
+from plsc.parts import build_backbone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS, STEP, EPOCH = 3, 3, 1

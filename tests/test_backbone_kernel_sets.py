@@ -5,7 +5,7 @@ import numpy as np
 import paddle
 import pytest
 
-from plsc.cpu_kernels import KERNELS_ENV
+from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.models import build_model
 
 BACKBONES = [

@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import pytest
 
-from plsc.builders import build_backbone
+from plsc.parts import build_backbone
 from plsc.config import ConfigError, validate
 from plsc.models import blocked, build_model
 from plsc.models.batchnorm import BatchNorm1D, BatchNorm2D

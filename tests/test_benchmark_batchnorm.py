@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 import pytest
 
-from plsc import onednn
+from plsc.kernels import onednn
 from scripts import load
 
 bench = load("benchmarks/benchmark_batchnorm.py")

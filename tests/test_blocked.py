@@ -6,7 +6,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from plsc import onednn
+from plsc.kernels import onednn
 from plsc.models import IResNet, blocked, iresnet_tiny
 from plsc.models.batchnorm import BatchNorm2D
 from plsc.models.conv import Conv2D

@@ -8,7 +8,7 @@ import paddle
 import paddle.nn.functional as F
 import pytest
 
-from plsc import onednn
+from plsc.kernels import onednn
 from plsc.models.conv import Conv2D, takes_onednn
 
 CASES = [
@@ -138,7 +138,7 @@ def test_plans_share_scratch_bounded_by_the_largest_geometry():
     at most four slots of the largest padded activation plus its weights' copies."""
     if not onednn.available():
         pytest.skip("no oneDNN")
-    from plsc.onednn.library import SCRATCH
+    from plsc.kernels.onednn.library import SCRATCH
 
     def step(cin, cout, hw, stride):
         conv = Conv2D(cin, cout, 3, stride=stride, padding=1, bias_attr=False)
@@ -160,7 +160,7 @@ def test_plans_share_scratch_bounded_by_the_largest_geometry():
 
 
 def test_scratch_slots_grow_and_release():
-    from plsc.onednn.library import Scratch
+    from plsc.kernels.onednn.library import Scratch
     s = Scratch()
     a = s.address("a", 10_000)
     assert a % 4096 == 0 and s.nbytes() == 12_288
@@ -178,8 +178,8 @@ def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch)
     output equals Paddle's conv2d and the one-call forward."""
     if not onednn.available():
         pytest.skip("no oneDNN")
-    from plsc.onednn import conv as onednn_conv
-    from plsc.onednn.library import SCRATCH
+    from plsc.kernels.onednn import conv as onednn_conv
+    from plsc.kernels.onednn.library import SCRATCH
     paddle.seed(3)
     conv = Conv2D(8, 16, 3, stride=1, padding=1)
     x = paddle.randn([13, 8, 20, 20])
@@ -208,7 +208,7 @@ def test_gradients_fall_back_to_any_layout(monkeypatch):
     ("any"): the gradients still equal Paddle's."""
     if not onednn.available():
         pytest.skip("no oneDNN")
-    from plsc.onednn import conv as onednn_conv
+    from plsc.kernels.onednn import conv as onednn_conv
     lib = onednn_conv.lib()
     tried = []
 
@@ -246,7 +246,7 @@ def test_strided_gradients_take_the_forward_layouts():
     reorder into and out of it), and equal Paddle's."""
     if not onednn.available():
         pytest.skip("no oneDNN")
-    from plsc.onednn.library import lib
+    from plsc.kernels.onednn.library import lib
     paddle.seed(17)
     conv = Conv2D(32, 32, 3, stride=2, padding=1, bias_attr=False)
     x = paddle.randn([2, 32, 14, 15])

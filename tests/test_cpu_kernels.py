@@ -7,7 +7,9 @@ import numpy as np
 import paddle
 import pytest
 
-from plsc import cpu_kernels, runtime
+from plsc.kernels import cpu_kernels
+
+from plsc.process import runtime
 from plsc.models import blocked
 from plsc.models.prelu import PReLU, prelu
 
@@ -130,7 +132,7 @@ def test_keep_freed_memory_keeps_large_blocks_and_can_be_left_off():
     or without plsc's code), so reuse is not asserted."""
     assert runtime.keep_freed_memory({"PLSC_MALLOC": "keep"}).startswith("malloc: left as it is")
     code = ("import plsc, paddle, numpy as np\n"
-            "from plsc import runtime\n"
+            "from plsc.process import runtime\n"
             "import resource, sys\n"
             "if sys.argv[1] == 'on': runtime.keep_freed_memory({})\n"
             "def anon():\n"

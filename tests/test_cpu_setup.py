@@ -1,4 +1,4 @@
-"""A run's CPU set-up for a user's own loop too (`plsc.cpu_setup`): the thread count by one rule
+"""A run's CPU set-up for a user's own loop too (`plsc.process.cpu_setup`): the thread count by one rule
 (`choose`), applied once when plsc first builds a model, a head or an optimizer, never against
 the user; and malloc keeping freed blocks. Checked in fresh processes by reading the OpenMP
 runtime Paddle's CPU kernels run on, and by counting the page faults of refilling a large
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from plsc import cpu_setup as threads
+from plsc.process import cpu_setup as threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USABLE = threads.usable_cores()
@@ -18,7 +18,7 @@ USABLE = threads.usable_cores()
 READ = """
 import ctypes, os, paddle
 lib = ctypes.CDLL(os.path.join(os.path.dirname(paddle.__file__), "libs", "libiomp5.so"))
-from plsc import cpu_kernels
+from plsc.kernels import cpu_kernels
 print(lib.omp_get_max_threads(), cpu_kernels.threads())
 """
 LOOP = {  # a user's own loop, each building one thing of plsc (no runtime call)
@@ -26,7 +26,7 @@ LOOP = {  # a user's own loop, each building one thing of plsc (no runtime call)
     "head": "from plsc.nn import PartialFC\nPartialFC(8, 10)\n",
     "optimizer": "from plsc.optim import SparseMomentum\nSparseMomentum(0.1)\n",
 }
-RUN = "import plsc\nfrom plsc import runtime\nruntime.set_cpu_threads()\n"  # as runtime.start
+RUN = "import plsc\nfrom plsc.process import runtime\nruntime.set_cpu_threads()\n"  # as runtime.start
 
 
 def _threads(code, **env):
@@ -121,7 +121,7 @@ def test_a_users_loop_keeps_freed_memory_as_a_run_does():
 # and the MiB VmRSS fell.
 RELEASE = """
 import ctypes
-from plsc import cpu_setup
+from plsc.process import cpu_setup
 cpu_setup.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -8,7 +8,7 @@ import paddle
 import pytest
 
 from oracles import make_case
-from plsc import cpu_kernels
+from plsc.kernels import cpu_kernels
 from plsc.loss import AdaFace, ArcFace, CosFace
 from plsc.nn import PartialFC
 from plsc.nn import parallel_softmax as ps
@@ -152,9 +152,9 @@ def test_no_numpy_kernel_runs_on_the_device_set(monkeypatch):
     several modules) raises: a head step of each kind and storage, and its update, run."""
     def refuse(t):
         raise AssertionError("a numpy kernel ran on the device set")
-    import plsc.quantized
+    import plsc.storage.int8
     import plsc.models.prelu
-    for mod in (cpu_kernels, ps, plsc.quantized, plsc.models.prelu):
+    for mod in (cpu_kernels, ps, plsc.storage.int8, plsc.models.prelu):
         monkeypatch.setattr(mod, "as_numpy", refuse)
     for dtype in ("float32", "bfloat16", "int8"):
         for kw in (dict(ratio=0.1), dict(chunk=64), dict()):

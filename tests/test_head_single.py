@@ -19,8 +19,8 @@ MARGINS = {  # the named margins at their defaults: the oracle uses the publishe
 }
 
 
-def run_head(margin, x, y, w, b=None, **head_kwargs):
-    head = PartialFC(x.shape[1], w.shape[0], margin, **head_kwargs)
+def forward_backward(head, x, y, w, b=None):
+    """`head` with weight `w` (and bias `b`) run forward and backward on `x, y`: (x tensor, loss)."""
     head.weight.set_value(w)
     if b is not None:
         head.bias.set_value(b)
@@ -28,6 +28,12 @@ def run_head(margin, x, y, w, b=None, **head_kwargs):
     xt.stop_gradient = False
     loss = head(xt, paddle.to_tensor(y))
     loss.backward()
+    return xt, loss
+
+
+def run_head(margin, x, y, w, b=None, **head_kwargs):
+    head = PartialFC(x.shape[1], w.shape[0], margin, **head_kwargs)
+    xt, loss = forward_backward(head, x, y, w, b)
     out = {"loss": float(loss), "dx": xt.grad.numpy(), "dw": head.weight.grad.numpy()}
     if b is not None:
         out["db"] = head.bias.grad.numpy()

@@ -14,7 +14,7 @@ import pytest
 
 from trainer_common import config, make_data
 from host_reads import HostReads
-from plsc.cpu_kernels import KERNELS_ENV
+from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
 

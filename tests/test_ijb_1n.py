@@ -229,7 +229,7 @@ def test_from_images_equals_from_the_saved_features(layout, tmp_path):
     import paddle
     from trainer_common import config
     from plsc.apps.ijb_1n import evaluate_ijb_1n
-    from plsc.builders import build_backbone
+    from plsc.parts import build_backbone
     cfg = config(str(tmp_path / "unused"), str(tmp_path / "out"), Eval={"batch_size": 16},
                  Logging={"visualdl": False, "progress_bar": False})
     paddle.seed(0)

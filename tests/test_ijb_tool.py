@@ -14,7 +14,7 @@ from trainer_common import config
 from ijb_layout import make_layout
 from plsc.config import dump_config
 from plsc.data import DataError, FaceTransform, align_face
-from plsc.builders import build_backbone
+from plsc.parts import build_backbone
 from plsc.apps.ijb import evaluate_ijb
 from plsc.metrics import ijb_report
 

@@ -34,7 +34,8 @@ import paddle
 import pytest
 
 import scripts
-from plsc import builders, torchfile
+from plsc import torchfile
+from plsc import parts as builders
 from plsc.config import ConfigError
 from plsc.models import build_model, from_insightface, to_insightface
 from plsc.models.insightface import insightface_layout, is_torch_file

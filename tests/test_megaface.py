@@ -100,7 +100,7 @@ def test_tool_on_a_synthetic_folder_pair_and_on_embeddings(folder_pair, tmp_path
     out = folder_pair["base"] / "out"
     code = ("import importlib.util, sys, paddle\n"
             "from plsc.config import load_config\n"
-            "from plsc.builders import build_backbone\n"
+            "from plsc.parts import build_backbone\n"
             f"paddle.seed(0); paddle.save(build_backbone(load_config({CONFIG!r})).state_dict(), {str(weights)!r})\n"
             f"spec = importlib.util.spec_from_file_location('tool', {TOOL!r})\n"
             "tool = importlib.util.module_from_spec(spec); spec.loader.exec_module(tool)\n"

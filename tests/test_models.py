@@ -144,23 +144,17 @@ def test_wrong_input_size_is_rejected():
 
 # ---------------------------------------------------------------- numerics vs numpy
 
-def test_iresnet_matches_numpy_reference():
-    model = build_model("IResNetTiny", layers=(2, 1, 1, 2), input_size=(40, 24), embedding_size=32)
+@pytest.mark.parametrize("name,arch,seed,shape,reference", [
+    ("IResNetTiny", {"layers": (2, 1, 1, 2), "input_size": (40, 24)}, 1, (3, 3, 40, 24), iresnet_forward),
+    ("MobileFaceNet", {"blocks": (1, 2, 1, 1), "input_size": 32}, 2, (2, 3, 32, 32), mobilefacenet_forward),
+], ids=["iresnet", "mobilefacenet"])
+def test_matches_numpy_reference(name, arch, seed, shape, reference):
+    model = build_model(name, embedding_size=32, **arch)
     _randomise_batch_norms(model)
     model.eval()
-    x = np.random.RandomState(1).normal(0, 1, (3, 3, 40, 24)).astype("float32")
+    x = np.random.RandomState(seed).normal(0, 1, shape).astype("float32")
     got = model(paddle.to_tensor(x)).numpy()
-    want = iresnet_forward(model, x.astype("float64"))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-
-
-def test_mobilefacenet_matches_numpy_reference():
-    model = build_model("MobileFaceNet", blocks=(1, 2, 1, 1), input_size=32, embedding_size=32)
-    _randomise_batch_norms(model)
-    model.eval()
-    x = np.random.RandomState(2).normal(0, 1, (2, 3, 32, 32)).astype("float32")
-    got = model(paddle.to_tensor(x)).numpy()
-    want = mobilefacenet_forward(model, x.astype("float64"))
+    want = reference(model, x.astype("float64"))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 

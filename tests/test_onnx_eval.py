@@ -15,7 +15,7 @@ from trainer_common import IMAGE, config, make_data
 from ijb_layout import make_layout
 from oracles import rel_err
 from plsc.config import dump_config
-from plsc.builders import build_backbone
+from plsc.parts import build_backbone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(HERE), "tools")
@@ -270,7 +270,7 @@ def test_session_threads_are_the_ranks_share(setup, monkeypatch):
     """Two ranks on this node: each session gets half the usable cores (at least 1), as Paddle
     does; Global.cpu_threads overrides it."""
     from plsc.apps.onnx_backbone import onnx_backbone
-    from plsc.runtime import usable_cores
+    from plsc.process.runtime import usable_cores
     monkeypatch.setenv("PADDLE_LOCAL_SIZE", "2")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     _, model = onnx_backbone(setup["onnx_cfg"], setup["files"]["rgb"])

@@ -11,9 +11,9 @@ import numpy as np
 import paddle
 import pytest
 
-from plsc.cpu_kernels import KERNELS_ENV
+from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.optim import SparseAdamW, SparseMomentum
-from plsc.quantized import Int8Rows
+from plsc.storage.int8 import Int8Rows
 from dtypes.test_optim import StubHead
 
 N, D = 3000, 8  # more rows than a CPU-set chunk (1,024): the device set's one slab differs

@@ -8,20 +8,14 @@ from oracles import compare, make_case
 from plsc.loss import ArcFace, CosFace, Softmax
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
+from test_head_single import forward_backward
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
 
 
 def sampled_head(margin, ratio, x, y, w, b=None, seed=3):
     head = PartialFC(x.shape[1], w.shape[0], margin, sample_ratio=ratio, seed=seed)
-    head.weight.set_value(w)
-    if b is not None:
-        head.bias.set_value(b)
-    xt = paddle.to_tensor(x)
-    xt.stop_gradient = False
-    loss = head(xt, paddle.to_tensor(y))
-    loss.backward()
-    return head, xt, loss
+    return (head, *forward_backward(head, x, y, w, b))
 
 
 @pytest.mark.parametrize("margin", [ArcFace(), CosFace(), Softmax()], ids=repr)

@@ -106,7 +106,7 @@ def test_model_recompute_key():
     """`Model.recompute`: null keeps the name's (arcface_torch checkpoints ViT-B/L/H), a value
     overrides it, and a backbone without blocks to recompute refuses it by name."""
     from plsc.config import ConfigError, validate
-    from plsc.builders import build_backbone
+    from plsc.parts import build_backbone
 
     def cfg(name, value):
         return validate({"Model": {"name": name, "recompute": value, "embedding_size": 8},

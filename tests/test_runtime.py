@@ -6,7 +6,7 @@ import sys
 import paddle  # noqa: F401  -- imported, so that the late-dispatch warning is due
 import pytest
 
-from plsc import runtime
+from plsc.process import runtime
 
 AMD = ("AuthenticAMD", {"sse4_2", "avx", "avx2", "fma"})
 

@@ -3,7 +3,7 @@ with one line and status 75 (never Paddle's handler, never a hang), and a rank l
 start-up is reported in one line with status 69, as in training.
 
 The moments are counted from the instant the tool's first line has run: the test waits until
-the process's main thread blocks SIGTERM (/proc/PID/status), which `plsc.startup.hold()`
+the process's main thread blocks SIGTERM (/proc/PID/status), which `plsc.process.startup.hold()`
 does first. Runs of one test go in parallel where they are independent.
 """
 import os
@@ -34,7 +34,7 @@ STEP_LINE = re.compile(r"^\S+ \S+ step \d+/\d+ ", re.M)  # the trainer's step lo
 # ---------------------------------------------------------------- no Paddle: the guard alone
 _GUARD = """
 import os, signal, sys, time
-from plsc import startup
+from plsc.process import startup
 startup.hold()
 startup.guard("the test", wait_for_group=True)
 for step in sys.argv[1].split(","):
@@ -85,7 +85,7 @@ def test_paddles_handler_is_replaced():
     the import keep them blocked (they inherited `hold`'s mask)."""
     code = """
 import ctypes, os, signal
-from plsc import startup
+from plsc.process import startup
 startup.hold()
 libc = ctypes.CDLL(None)
 class Action(ctypes.Structure):
@@ -165,7 +165,7 @@ def prepare(tmp, name, seed, resume=True, **globals_):
 
 
 def sigterm_blocked(pid):
-    """Whether process `pid`'s main thread blocks SIGTERM (plsc.startup.hold has run)."""
+    """Whether process `pid`'s main thread blocks SIGTERM (plsc.process.startup.hold has run)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             mask = next(line for line in f if line.startswith("SigBlk:")).split()[1]

@@ -27,22 +27,22 @@ STEPS = 8
 EVAL_STEP, SAVE_STEP = 4, 6  # Eval.interval 4, Checkpoint.interval 3: saves after 3, 6 and 8
 QUIET_STEPS = (1, 2, 5, 7)  # neither evaluated nor saved after
 
-# (ranks, signal, to whom, loader workers, when)
-CASES = [
-    (1, "TERM", "main", 2, "step"),
-    (1, "TERM", "group", 2, "step"),
-    (1, "INT", "group", 2, "eval"),
-    (1, "TERM", "each", 2, "save"),
-    (1, "INT", "main", 0, "save"),
-    (1, "TERM", "each", 0, "eval"),
-    (1, "INT", "each", 2, "step"),
-    (2, "TERM", "main", 2, "step"),
-    (2, "TERM", "group", 2, "eval"),
-    (2, "INT", "each", 2, "save"),
-    (2, "INT", "main", 0, "step"),
-    (2, "TERM", "each", 2, "step"),
-    (2, "INT", "group", 0, "save"),
-]
+# (ranks, signal, to whom, loader workers, when), one case a row
+CASES = [(int(r), sig, how, int(w), when) for r, sig, how, w, when in map(str.split, """
+1 TERM main  2 step
+1 TERM group 2 step
+1 INT  group 2 eval
+1 TERM each  2 save
+1 INT  main  0 save
+1 TERM each  0 eval
+1 INT  each  2 step
+2 TERM main  2 step
+2 TERM group 2 eval
+2 INT  each  2 save
+2 INT  main  0 step
+2 TERM each  2 step
+2 INT  group 0 save
+""".strip().splitlines())]
 
 
 @pytest.fixture(scope="module")

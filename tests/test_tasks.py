@@ -155,7 +155,7 @@ def test_entry_api(run, tmp_path):
     images = [(np.random.RandomState(i).rand(16, 16, 3) * 255).astype(np.uint8) for i in range(3)]
     emb = ins.predict(images)
     from plsc.apps.export import load_backbone_weights
-    from plsc.builders import build_backbone
+    from plsc.parts import build_backbone
     from plsc.checkpoint import find_checkpoint
     cfg = ins.get_config()
     ref = build_backbone(cfg)

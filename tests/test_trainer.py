@@ -10,7 +10,7 @@ import pytest
 
 from trainer_common import GRAD_CLIP, config, make_data
 from plsc.config import ConfigError
-from plsc.cpu_kernels import KERNELS_ENV
+from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint, read_meta
 from plsc.train.amp import LossScaler
@@ -263,7 +263,7 @@ def test_trainer_schedule_takes_the_warmup_indexing(tmp_path, data_root):
 def test_malloc_pages_released_after_the_first_steps_and_saves(tmp_path, data_root, monkeypatch):
     """cpu_setup.release_freed_memory runs after the first SETTLING_STEPS steps and after each
     checkpoint or evaluation, not after every step, nor after the last."""
-    from plsc import cpu_setup
+    from plsc.process import cpu_setup
     trainer = Trainer(config(data_root, str(tmp_path / "run"), Global={"max_steps": 8},
                              Checkpoint={"interval": 5}))
     calls = []

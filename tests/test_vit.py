@@ -18,7 +18,7 @@ import paddle
 import pytest
 
 from plsc import config as plsc_config
-from plsc import builders
+from plsc import parts as builders
 from plsc.config import ConfigError
 from plsc.models import ALIASES, MODELS, VisionTransformer, build_model, resolve_name
 from plsc.models import vit as vit_module

@@ -1,15 +1,15 @@
 """The ViT's fused CPU pieces against independent oracles, on both kernel sets (each case checks
 which path ran): `plsc.models.heads.split_heads` and `plsc.models.residual.residual_add`
 against numpy float64, `plsc.models.linear_relu6.linear_relu6` against Paddle's autograd of
-`F.relu6(F.linear(...))`, and oneDNN's clip (`plsc.onednn.eltwise`) against numpy."""
+`F.relu6(F.linear(...))`, and oneDNN's clip (`plsc.kernels.onednn.eltwise`) against numpy."""
 import plsc  # noqa: F401  -- before Paddle, for its CPU set-up
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 
-from plsc import cpu_kernels, onednn
-from plsc.cpu_kernels import as_numpy
+from plsc.kernels import cpu_kernels, onednn
+from plsc.kernels.cpu_kernels import as_numpy
 from plsc.models.heads import split_heads, takes_heads_path
 from plsc.models.linear_relu6 import linear_relu6, takes_linear_relu6_path
 from plsc.models.residual import residual_add, takes_residual_path
@@ -103,7 +103,7 @@ def test_linear_relu6_gradient_is_zero_at_both_ends():
 
 @pytest.mark.skipif(not onednn.available(), reason="oneDNN not loaded")
 def test_onednn_clip_forward_in_place_and_backward_from_output():
-    from plsc.onednn.eltwise import clip_plan
+    from plsc.kernels.onednn.eltwise import clip_plan
     rng = np.random.RandomState(3)
     values = np.concatenate([rng.normal(0, 4, 997), [-2.0, 0.0, 1.0, 2.5, 3.0]])
     x = paddle.to_tensor(values.astype("float32"))

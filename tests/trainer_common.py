@@ -84,7 +84,7 @@ def head_bits(trainer):
             arrays[f"opt.{key}"] = value
     out = {}
     for name, t in arrays.items():
-        if hasattr(t, "codes"):  # plsc.quantized.Int8Rows
+        if hasattr(t, "codes"):  # plsc.storage.int8.Int8Rows
             out[name + ".codes"], out[name + ".scale"] = bits(t.codes), bits(t.scale)
         else:
             out[name] = bits(t)

@@ -21,7 +21,7 @@ import sys
 
 from plsc.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
 from plsc.cli import run_tool
-from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def verify(a):
@@ -39,8 +39,8 @@ def verify(a):
 
 
 def import_arcface_torch(cfg, folder):
-    from plsc import runtime
-    from plsc.builders import build_backbone
+    from plsc.process import runtime
+    from plsc.parts import build_backbone
     from plsc.checkpoint.arcface_torch import arcface_torch_files, import_arcface_torch
     from plsc.checkpoint.lock import claim_folder
     runtime.select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])

@@ -24,7 +24,7 @@ vit_l_dp005_mask_005, vit_h. Exit status: 0, 2 for a bad argument or weights tha
 import argparse
 import sys
 
-from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def main(argv=None):

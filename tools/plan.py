@@ -12,7 +12,7 @@ make it fit) and exits with status 2. docs/scaling.md explains the model and its
 import argparse
 import sys
 
-from plsc import startup
+from plsc.process import startup
 
 startup.hold()
 

@@ -28,7 +28,7 @@ from plsc.checkpoint import (CheckpointDamaged, convert_checkpoint, export_class
                              import_classifier, read_meta, reshard_checkpoint, verify_checkpoint)
 from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, lock_folder, run_folder_of
 from plsc.dtypes import FLOAT_DTYPES
-from plsc.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ status 70 and one line naming the last finite checkpoint (see docs/faults.md).
 """
 import sys
 
-from plsc import startup
+from plsc.process import startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
@@ -27,7 +27,7 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 def train(cfg):
     from plsc.train import Trainer
     from plsc.checkpoint import CheckpointSaveError
-    from plsc.exits import DIVERGED_EXIT_CODE, IO_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+    from plsc.process.exits import DIVERGED_EXIT_CODE, IO_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
     from plsc.train.preemption import Preempted, RankLost
     from plsc.train.divergence import Diverged
     try:

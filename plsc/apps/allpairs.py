@@ -7,7 +7,7 @@ import sys
 import time
 
 from .. import distributed as pd
-from .. import runtime
+from ..process import runtime
 from ..data import DataError
 from ..embedding import RankComm
 from ..fileio import write_json

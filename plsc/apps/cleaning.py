@@ -54,8 +54,8 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import runtime
-from ..builders import open_dataset
+from ..process import runtime
+from ..parts import open_dataset
 from ..checkpoint import (agree_checkpoint, head_dtype, load_head_rows, read_meta, rows_as_float32,
                           write_k1_checkpoint)
 from ..checkpoint.lock import claim_folder
@@ -65,8 +65,8 @@ from ..data.facerec import read_property, write_face_rec
 from ..embedding import gather_shares, rank_share, share_batches
 from ..fileio import AtomicWriter, commit_folder, temp_folder, write_json
 from ..metrics import angle_histogram_image, save_angle_histogram_png
-from ..numerics import SLAB_BYTES
-from ..progress import progress as draw_progress, show_progress
+from ..kernels.numerics import SLAB_BYTES
+from ..process.progress import progress as draw_progress, show_progress
 
 __all__ = ["clean_subcenters", "source_dataset", "subcenter_cosines", "dominant_centres",
            "angles_to_dominant", "HIST_BIN_DEGREES"]

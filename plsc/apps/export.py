@@ -7,14 +7,14 @@ import paddle
 
 from ..fileio import commit_file
 from ..checkpoint.layout import BACKBONE
-from ..builders import load_pretrained
+from ..parts import load_pretrained
 
 __all__ = ["export_backbone", "load_backbone_weights"]
 
 
 def load_backbone_weights(backbone, path):
     """Load backbone weights from a checkpoint folder, a .pdparams file or an arcface_torch
-    .pt/.pth file (`plsc.builders.load_pretrained`; a damaged .pdparams raises
+    .pt/.pth file (`plsc.parts.load_pretrained`; a damaged .pdparams raises
     `CheckpointDamaged` naming it, arcface_torch weights that do not fit a ConfigError naming
     the keys)."""
     file = os.path.join(path, BACKBONE) if os.path.isdir(path) else path

@@ -17,8 +17,8 @@ from ..data import DataError, FaceTransform, IJBFaceDataset, check_ijb_images, r
 from ..metrics import FAR_TARGETS, ijb_report, roc_image, save_roc_png
 from ..embedding import embedding_size, gather_shares, rank_share, share_batches
 from ..fileio import write_json, write_npy
-from .. import runtime
-from ..progress import progress as draw_progress, show_progress
+from ..process import runtime
+from ..process.progress import progress as draw_progress, show_progress
 from .tasks import evaluation_model
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "ijb_features",

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from .. import distributed as pd
-from .. import runtime
+from ..process import runtime
 from ..data import DataError, read_ijb_1n_lists, read_ijb_meta
 from ..fileio import write_json
 from ..metrics import template_features

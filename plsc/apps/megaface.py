@@ -14,8 +14,8 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import runtime
-from ..builders import open_dataset
+from ..process import runtime
+from ..parts import open_dataset
 from ..data import DataError, ImagePathsDataset
 from ..embedding import RankComm, gather_shares, rank_share, share_batches
 from ..fileio import atomic_write, write_image, write_json, write_npy

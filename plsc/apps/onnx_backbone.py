@@ -47,7 +47,7 @@ class OnnxBackbone:
 
     The input name and shape come from the session; a fixed batch dimension (e.g. 1) is fed
     that many images at a time (the last group padded). `threads`: onnxruntime's intra-op
-    threads (the rank's share of the cores, as `plsc.runtime.cpu_threads` gives Paddle). The
+    threads (the rank's share of the cores, as `plsc.process.runtime.cpu_threads` gives Paddle). The
     model is always in eval mode (`training` is False, `eval()` returns it)."""
 
     training = False
@@ -142,9 +142,9 @@ def onnx_backbone(cfg, path, input="rgb"):
     """(cfg with Data.image_size set to the file's fixed input size, the `OnnxBackbone`) for
     `--onnx FILE`: the config's Model and Global.checkpoint/pretrained are not read. Paddle's
     device is set up as for a Paddle backbone (the tools keep their tensors there); the
-    session gets this rank's share of the cores (`plsc.runtime.cpu_threads`)."""
+    session gets this rank's share of the cores (`plsc.process.runtime.cpu_threads`)."""
     from ..distributed import get_rank
-    from ..runtime import cpu_threads, select_device
+    from ..process.runtime import cpu_threads, select_device
     select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     model = OnnxBackbone(path, input, threads=cpu_threads(cfg["Global"]["cpu_threads"])[0])
     size = onnx_image_size(model, cfg)

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from .. import distributed as pd
-from .. import runtime
+from ..process import runtime
 from ..data import DataError
 from ..embedding import RankComm, gather_shares, rank_share
 from ..fileio import write_json, write_npz

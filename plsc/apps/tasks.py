@@ -12,9 +12,9 @@ from ..config import ConfigError
 from ..embedding import VerificationEvaluator, embed
 from ..fileio import write_npy
 from ..metrics import save_roc_png
-from ..builders import build_backbone, open_dataset
-from ..progress import progress as draw_progress, show_progress
-from ..runtime import select_device, start
+from ..parts import build_backbone, open_dataset
+from ..process.progress import progress as draw_progress, show_progress
+from ..process.runtime import select_device, start
 from .export import export_backbone, load_backbone_weights
 from .onnx_backbone import onnx_backbone
 

@@ -10,9 +10,9 @@ import paddle
 
 from ..distributed import ClassPartition
 from ..fileio import commit_folder, copy_file, temp_folder
-from ..numerics import STORAGE_DTYPES, cast_nearest
-from ..quantized import INT8_MAPS, quantize
-from ..quantized4 import INT4_MAPS
+from ..kernels.numerics import STORAGE_DTYPES, cast_nearest
+from ..storage.int8 import INT8_MAPS, quantize
+from ..storage.int4 import INT4_MAPS
 from ..storage import STORED_DTYPES
 from .head_arrays import (NPY_DTYPES, head_dtype, load_head_rows, records_of, rows_as_float32,
                           slab_rows, stream_npy)

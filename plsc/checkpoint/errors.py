@@ -2,7 +2,7 @@
 import json
 
 from ..data.errors import DataError
-from ..exits import IO_ERROR_EXIT_CODE
+from ..process.exits import IO_ERROR_EXIT_CODE
 
 __all__ = ["CheckpointDamaged", "CheckpointSaveError", "IO_ERROR_EXIT_CODE", "read_json"]
 

@@ -4,8 +4,8 @@
                                             optimizer state (partition in meta.json)
 
 meta.json's `head_dtypes` maps each array to its dtype ("float32", "float16", "bfloat16", an
-8-bit map of `plsc.quantized`: "int8", "int8_log", "uint8_log", or a 4-bit map of
-`plsc.quantized4`: "int4", "int4_log", "uint4_log"); numpy has no bfloat16, so a bfloat16
+8-bit map of `plsc.storage.int8`: "int8", "int8_log", "uint8_log", or a 4-bit map of
+`plsc.storage.int4`: "int4", "int4_log", "uint4_log"); numpy has no bfloat16, so a bfloat16
 array's .npy holds its bits as uint16, and an 8-bit array's .npy holds a record a row, `(scale float32,
 codes int8[d])` (uint8 codes for uint8_log; `[n]` records, `[n, K]` with sub-centres), so each
 row's scale travels with its codes; a 4-bit row's record is `(scale float32[blocks],
@@ -26,9 +26,9 @@ import paddle
 from ..distributed import ClassPartition
 from ..fileio import AtomicWriter, write_npy
 from .. import storage
-from ..numerics import SLAB_BYTES, cast_nearest
-from .. import quantized, quantized4
-from ..quantized import INT8_MAPS
+from ..kernels.numerics import SLAB_BYTES, cast_nearest
+from ..storage import int8 as quantized, int4 as quantized4
+from ..storage.int8 import INT8_MAPS
 from .errors import CheckpointDamaged
 from .layout import head_file, read_meta
 from .manifest import npy_problem
@@ -45,7 +45,7 @@ NPY_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.float1
 
 
 def _quantized(name):
-    """The module (`plsc.quantized` or `plsc.quantized4`) of an 8- or 4-bit map, else None."""
+    """The module (`plsc.storage.int8` or `plsc.storage.int4`) of an 8- or 4-bit map, else None."""
     if name in INT8_MAPS:
         return quantized
     return quantized4 if name in quantized4.INT4_MAPS else None

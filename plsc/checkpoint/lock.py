@@ -32,7 +32,7 @@ import sys
 import weakref
 
 from .. import distributed as pd
-from ..exits import IN_USE_EXIT_CODE, IO_ERROR_EXIT_CODE
+from ..process.exits import IN_USE_EXIT_CODE, IO_ERROR_EXIT_CODE
 from ..fileio import atomic_write, write_in_place
 from .layout import LOCK_FILE
 from .manager import _exchange

@@ -43,7 +43,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from ..fileio import atomic_write
-from ..startup import SIGNALS as STOP_SIGNALS
+from ..process.startup import SIGNALS as STOP_SIGNALS
 from .errors import DataError, WorkerDied
 from .slots import Slots
 from .tensors import to_tensor

@@ -10,7 +10,7 @@ import paddle
 import paddle.distributed as dist
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import as_numpy, cpu_set
+from ..kernels.cpu_kernels import as_numpy, cpu_set
 from ..dtypes import FLOAT_DTYPES
 
 __all__ = ["group_rank_size", "gather_concat", "reduce_scatter_sum", "all_reduce_", "broadcast_",
@@ -176,44 +176,36 @@ def sync_buffers(model, src=0, group=None):
     return model
 
 
-class _AllGather(PyLayer):
+class _Adjoint(PyLayer):
+    """`op(x, group)` forward; `adjoint(grad, group)` backward."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_concat(x, group)
+    def forward(ctx, x, group, op, adjoint):
+        ctx.group, ctx.adjoint = group, adjoint
+        return op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_sum(grad, ctx.group)
+        return ctx.adjoint(grad, ctx.group)
 
 
-class _ReduceScatter(PyLayer):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_concat(grad, ctx.group)
+def _differentiable(op, adjoint, x, group):
+    """`op(x, group)` with `adjoint` as its backward: `x` itself on one rank, no graph for a constant."""
+    if group_rank_size(group)[1] == 1:
+        return x
+    if x.stop_gradient:
+        return op(x, group)
+    return _Adjoint.apply(x, group, op, adjoint)
 
 
 def all_gather(x, group=None):
     """Differentiable all-gather along axis 0; backward is a reduce-scatter (sum)."""
-    if group_rank_size(group)[1] == 1:
-        return x
-    if x.stop_gradient:
-        return gather_concat(x, group)
-    return _AllGather.apply(x, group)
+    return _differentiable(gather_concat, reduce_scatter_sum, x, group)
 
 
 def reduce_scatter(x, group=None):
     """Differentiable reduce-scatter (sum) along axis 0; backward is an all-gather."""
-    if group_rank_size(group)[1] == 1:
-        return x
-    if x.stop_gradient:
-        return reduce_scatter_sum(x, group)
-    return _ReduceScatter.apply(x, group)
+    return _differentiable(reduce_scatter_sum, gather_concat, x, group)
 
 
 def failed_rank(failed, group=None):

@@ -4,8 +4,6 @@ import os
 import paddle
 import paddle.distributed as dist
 
-from .. import startup
-
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
            "launched_rank", "barrier"]
 
@@ -31,8 +29,7 @@ def init(backend="auto"):
 
     `backend` is "auto" (NCCL where the current device is a GPU, gloo on CPU),
     "nccl" or "gloo". When the process was not launched with several ranks
-    this is a no-op and the world has size 1. A stop signal that `plsc.startup`'s guard kept
-    until the group was formed ends the process once the set-up returns (or fails).
+    this is a no-op and the world has size 1.
     """
     if backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
@@ -41,10 +38,7 @@ def init(backend="auto"):
     if backend == "auto":
         backend = _default_backend()
     os.environ["PADDLE_DISTRI_BACKEND"] = backend
-    try:
-        dist.init_parallel_env()
-    finally:
-        startup.group_ready()
+    dist.init_parallel_env()
 
 
 def is_initialized():

@@ -14,7 +14,7 @@ import math
 import paddle
 from paddle import nn
 
-from ..numerics import sqrt_exact
+from ..kernels.numerics import sqrt_exact
 from .table import MARGIN_TABLE
 
 __all__ = ["Margin", "CombinedMargin", "ArcFace", "CosFace", "SphereFace", "AdaFace", "Softmax",

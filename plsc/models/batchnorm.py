@@ -16,7 +16,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from . import blocked
-from .. import onednn
+from ..kernels import onednn
 
 __all__ = ["BatchNorm1D", "BatchNorm2D", "set_unbiased_var"]
 

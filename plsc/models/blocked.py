@@ -11,12 +11,12 @@ c = 16·(c // 16) + c % 16 of the logical [N, C, H, W]); its gradient has the sa
 layers of `plsc.models` that take one (`Conv2D`, `BatchNorm2D`, `PReLU`) recognise it by that
 shape and return one; element-wise ops (the residual add) need nothing. A convolution starts
 the blocked run when it is asked to (`Conv2D.emit_blocked`, set by IResNet) and oneDNN's own
-choice for it is the blocked layout (`plsc.onednn.blocked_native`: its AVX-512 kernels); on
+choice for it is the blocked layout (`plsc.kernels.onednn.blocked_native`: its AVX-512 kernels); on
 any other path (a GPU, ``PLSC_KERNELS=device``, export, other dtypes) nothing is blocked.
 """
 import paddle
 
-from ..onednn.conv import BLOCK  # channels a block holds (16)
+from ..kernels.onednn.conv import BLOCK  # channels a block holds (16)
 
 __all__ = ["BLOCK", "is_blocked", "logical_shape", "to_plain", "to_blocked"]
 

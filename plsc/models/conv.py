@@ -1,8 +1,8 @@
 """The backbones' 2-D convolution: oneDNN's on the CPU kernel set, Paddle's `conv2d` otherwise.
 
 `Conv2D` is `paddle.nn.Conv2D` (same parameters, names and initialisation, so weights load and
-save as before) whose forward runs through `plsc.onednn` when the input and the parameters are
-float32 CPU tensors under the CPU kernel set (`plsc.cpu_kernels.cpu_set`) and the bundled
+save as before) whose forward runs through `plsc.kernels.onednn` when the input and the parameters are
+float32 CPU tensors under the CPU kernel set (`plsc.kernels.cpu_kernels.cpu_set`) and the bundled
 oneDNN loaded; any other tensor (another device or dtype, ``PLSC_KERNELS=device``) takes
 Paddle's own `conv2d`, as on a GPU. Both compute the same convolution (timings:
 docs/performance.md, "plsc's own CPU kernels, measured").
@@ -12,7 +12,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from . import blocked
-from .. import cpu_kernels, onednn
+from ..kernels import cpu_kernels, onednn
 
 __all__ = ["Conv2D", "takes_onednn"]
 

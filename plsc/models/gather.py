@@ -11,7 +11,7 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy
+from ..kernels.cpu_kernels import applies, as_numpy
 
 __all__ = ["take_rows_per_sample"]
 

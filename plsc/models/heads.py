@@ -7,14 +7,14 @@ scale a pass over L/d times more values than q has. `split_heads` copies q, k an
 qkv `[B, L, 3·heads·d]` in one pass, multiplying q by `scale` as it copies (q·kᵀ then comes
 out scaled: the same scores up to float32 rounding); its backward writes the three gradients
 back into one `[B, L, 3·heads·d]` tensor, dq times `scale`. The copies are split by samples
-over the kernel threads (`plsc.cpu_kernels.run_rows`). Under any other condition (not the CPU
+over the kernel threads (`plsc.kernels.cpu_kernels.run_rows`). Under any other condition (not the CPU
 kernel set, not float32, `to_static`) it is Paddle's reshape, transpose, unbind and scale.
 """
 import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy, run_split
+from ..kernels.cpu_kernels import applies, as_numpy, run_split
 
 __all__ = ["split_heads", "takes_heads_path"]
 

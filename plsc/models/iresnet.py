@@ -9,7 +9,7 @@ from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, lin
                      normal_attr)
 from .prelu import PReLU
 from .recompute import run_blocks
-from .. import cpu_setup
+from ..process import cpu_setup
 
 __all__ = ["IBasicBlock", "IResNet", "iresnet18", "iresnet34", "iresnet50", "iresnet100",
            "iresnet200", "iresnet_tiny", "IRESNET_DEPTHS"]

@@ -5,7 +5,7 @@ Paddle 3.3 computes a linear layer as a matmul and a broadcast add; the add's gr
 output gradient over its rows with a reduction many times slower than a GEMV of the same data
 (timings: docs/performance.md, "plsc's own CPU kernels, measured"). `Linear` keeps `nn.Linear`'s
 parameters, names and initialisation; on float32 CPU tensors under the CPU kernel set
-(`plsc.cpu_kernels.applies`), while not traced by `to_static`, its forward and backward are one
+(`plsc.kernels.cpu_kernels.applies`), while not traced by `to_static`, its forward and backward are one
 PyLayer of GEMMs: y = x·W + b, dx = g·Wᵀ, dW = xᵀ·g, db = 1ᵀ·g. Every other tensor takes
 `nn.Linear`'s own forward.
 """
@@ -13,7 +13,7 @@ import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies
+from ..kernels.cpu_kernels import applies
 
 __all__ = ["Linear", "takes_gemm_path", "gemm_forward", "gemm_backward", "needs_grads",
            "save_gemm_context", "gemm_grads"]

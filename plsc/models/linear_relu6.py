@@ -4,7 +4,7 @@ kernel set.
 Paddle runs the pair as two ops and two gradient nodes, the activation's a pass of its own
 over the `[rows, hidden]` output in each direction. `linear_relu6` computes
 y = min(max(x·W + b, 0), 6) with `plsc.models.linear`'s GEMMs and oneDNN's clip applied in
-place on the GEMM's output (`plsc.onednn.eltwise`); the backward takes the activation's
+place on the GEMM's output (`plsc.kernels.onednn.eltwise`); the backward takes the activation's
 gradient from y (dz = dy where 0 < y < 6, else 0: Paddle's and torch's ReLU6 gradient) and
 then the GEMMs. It keeps y only, not x·W + b. Under any other condition (not the CPU kernel
 set, oneDNN not loaded, `to_static`) it is Paddle's `F.linear` and `F.relu6`.
@@ -13,8 +13,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
-from .. import onednn
-from ..onednn.eltwise import clip_plan
+from ..kernels import onednn
+from ..kernels.onednn.eltwise import clip_plan
 from .linear import gemm_forward, gemm_grads, save_gemm_context, takes_gemm_path
 
 __all__ = ["linear_relu6", "takes_linear_relu6_path"]

@@ -5,7 +5,7 @@ from paddle import nn
 from .batchnorm import BatchNorm1D, BatchNorm2D
 from .conv import Conv2D
 from .layers import ConvBNPReLU, as_hw, count_parameters, halve, kaiming_fan_out_attr
-from .. import cpu_setup
+from ..process import cpu_setup
 
 __all__ = ["MobileFaceNet", "mobilefacenet_large"]
 

@@ -4,7 +4,7 @@ Paddle 3.3's `transpose` returns a strided view; the next op that needs dense me
 matmul, the gradient of either) copies it with Paddle's strided-copy kernel, which is many times
 slower than numpy's copy of the same view (timings: docs/performance.md, "plsc's own CPU kernels,
 measured"). `permute` returns the permuted tensor already dense: on float32 CPU tensors under the
-CPU kernel set (`plsc.cpu_kernels.applies`) a PyLayer whose forward and backward are numpy copies
+CPU kernel set (`plsc.kernels.cpu_kernels.applies`) a PyLayer whose forward and backward are numpy copies
 (the backward with the inverse permutation) split over the kernel threads; otherwise Paddle's
 `transpose` followed by `contiguous`.
 """
@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy, run_split
+from ..kernels.cpu_kernels import applies, as_numpy, run_split
 
 __all__ = ["permute"]
 

@@ -24,7 +24,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from . import blocked
-from ..cpu_kernels import applies, as_numpy, run_rows
+from ..kernels.cpu_kernels import applies, as_numpy, run_rows
 
 __all__ = ["PReLU", "prelu"]
 

@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import applies, as_numpy, run_split
+from ..kernels.cpu_kernels import applies, as_numpy, run_split
 
 __all__ = ["residual_add", "takes_residual_path", "add_to_every_sample"]
 

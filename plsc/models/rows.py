@@ -3,9 +3,9 @@
 Paddle 3.3's CPU softmax and LayerNorm gradient take several times torch's on the same rows
 (ViT-T's attention scores and token norms; timings: docs/performance.md, "plsc's own CPU
 kernels, measured"). On float32 CPU tensors under the CPU kernel set
-(`plsc.cpu_kernels.applies`), with the bundled oneDNN loaded and while not traced by
+(`plsc.kernels.cpu_kernels.applies`), with the bundled oneDNN loaded and while not traced by
 `to_static`, `softmax_last` and `LayerNorm` are PyLayers whose forward and backward are oneDNN
-primitives on the tensors' memory (`plsc.onednn.rows`); every other tensor takes Paddle's
+primitives on the tensors' memory (`plsc.kernels.onednn.rows`); every other tensor takes Paddle's
 `softmax` / `nn.LayerNorm`. `LayerNorm` keeps `nn.LayerNorm`'s parameters and names.
 """
 import paddle
@@ -13,9 +13,9 @@ import paddle.nn.functional as F
 from paddle import nn
 from paddle.autograd import PyLayer
 
-from .. import onednn
-from ..cpu_kernels import applies
-from ..onednn.rows import layer_norm_plan, softmax_plan
+from ..kernels import onednn
+from ..kernels.cpu_kernels import applies
+from ..kernels.onednn.rows import layer_norm_plan, softmax_plan
 
 __all__ = ["softmax_last", "LayerNorm", "takes_onednn_rows"]
 

@@ -44,8 +44,8 @@ from .permute import permute
 from .residual import add_to_every_sample, residual_add, takes_residual_path
 from .rows import LayerNorm, softmax_last
 from .recompute import run_blocks
-from .. import cpu_setup
-from ..cpu_kernels import as_numpy
+from ..process import cpu_setup
+from ..kernels.cpu_kernels import as_numpy
 
 __all__ = ["VisionTransformer", "VIT_OPTIONS", "DropPath", "Attention", "Mlp", "Block",
            "PatchEmbed"]

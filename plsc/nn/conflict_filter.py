@@ -5,14 +5,14 @@ clamps the non-target logits (`_filter_and_clamp_`); the backward zeroes both ki
 in E = exp(logit − max) (`_zero_clamped_`). `filter_bound` turns the threshold into the
 float32 logit bound the block is compared with.
 
-The numpy passes look `as_numpy` up on `plsc.cpu_kernels` at each call, so that replacing it
+The numpy passes look `as_numpy` up on `plsc.kernels.cpu_kernels` at each call, so that replacing it
 there (as the device-set tests do, to prove no numpy kernel runs) reaches them too.
 """
 import numpy as np
 import paddle
 
-from .. import cpu_kernels
-from ..cpu_kernels import applies, run_rows
+from ..kernels import cpu_kernels
+from ..kernels.cpu_kernels import applies, run_rows
 from .softmax_blocks import _give_back, _lend
 
 __all__ = ["filter_bound"]

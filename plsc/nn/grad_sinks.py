@@ -13,8 +13,8 @@ the rows, `_close_grads` hands over the bias's and drops the arrays.
 """
 import paddle
 
-from ..cpu_kernels import copy_columns, remove_row_components_, scale_columns_
-from ..numerics import cast_nearest
+from ..kernels.cpu_kernels import copy_columns, remove_row_components_, scale_columns_
+from ..kernels.numerics import cast_nearest
 from .softmax_blocks import _wgrad_plan
 
 

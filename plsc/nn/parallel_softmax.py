@@ -17,11 +17,11 @@ block's weight gradient. The collectives are the dense path's: one MAX, one
 SUM, the loss SUM (and the embedding-gradient reduce-scatter outside).
 
 Storage is not compute: the weight (and bias) may be stored in bfloat16 or float16, or the
-weight in 8 bits per value with a scale per row (`plsc.quantized.Int8Rows`, which is no Paddle
+weight in 8 bits per value with a scale per row (`plsc.storage.int8.Int8Rows`, which is no Paddle
 tensor: its gradient goes to `row_update`). Each block of rows is read as float32 for its GEMMs
 (`storage.read`, the one place this happens; Paddle 3.3 has no 16-bit matmul on CPU) and every
 statistic (row max, sum of exponentials, target logit, log-probability) is float32. The
-element-wise passes over the logits and the row dot products go through `plsc.cpu_kernels`
+element-wise passes over the logits and the row dot products go through `plsc.kernels.cpu_kernels`
 (numpy on the tensors' memory on the CPU, Paddle's ops elsewhere).
 
 The code, one trick per module (this one is the entry: the PyLayer and its options):
@@ -41,7 +41,7 @@ The slab budgets below are read at each call (a test may lower them).
 import paddle
 from paddle.autograd import PyLayer
 
-from ..cpu_kernels import DEVICE_SLAB_BYTES, as_numpy
+from ..kernels.cpu_kernels import DEVICE_SLAB_BYTES, as_numpy
 from ..loss.table import check_normalised
 from .. import storage
 from .conflict_filter import filter_bound
@@ -52,7 +52,7 @@ from .softmax_stages import (_gather, _gather_grad, _logits, _logits_grad, _loss
 
 # `filter_bound` and `put_along_` were written here and are still importable from here;
 # `as_numpy` stays a name of this module for the tests that replace it in each module that
-# held it (the numpy passes now look it up on `plsc.cpu_kernels`).
+# held it (the numpy passes now look it up on `plsc.kernels.cpu_kernels`).
 __all__ = ["parallel_softmax_cross_entropy", "filter_bound", "put_along_", "as_numpy"]
 
 _WGRAD_SLAB = 4096  # classes per weight-gradient GEMM of a wide block (and per fused update)
@@ -136,7 +136,7 @@ def parallel_softmax_cross_entropy(features, weight, bias, local_target, margin,
     Args:
         features: `[N, d]` float32, the gathered global batch (same on every rank).
         weight: `[C_local·sub_centers, d]`, this rank's class centres (float32, bfloat16 or
-            float16, or a `plsc.quantized.Int8Rows` with `row_update`); with sub-centres, class
+            float16, or a `plsc.storage.int8.Int8Rows` with `row_update`); with sub-centres, class
             j's are rows j·K … j·K + K − 1.
         bias: `[C_local]` or None (used only by the plain `Softmax` margin).
         local_target: `[N]` int64, the label's index into `weight` where this

@@ -6,9 +6,10 @@ import paddle
 from paddle import nn
 
 from ..distributed import ClassPartition, all_gather, gather_concat, group_rank_size
-from ..cpu_kernels import take_rows
-from ..numerics import SLAB_BYTES
-from .. import cpu_setup, storage
+from ..kernels.cpu_kernels import take_rows
+from ..kernels.numerics import SLAB_BYTES
+from ..process import cpu_setup
+from .. import storage
 from ..storage import HEAD_DTYPES, take as take_f32
 from ..loss import ArcFace, Margin
 from ..loss.table import check_normalised
@@ -53,7 +54,7 @@ class PartialFC(nn.Layer):
             They are alive at the step's peak anyway; between steps they stay
             allocated (`head.workspace.nbytes`; `head.workspace.clear()` frees them).
         param_dtype: storage dtype of `weight` (and `bias`): "float32" (default), "bfloat16"
-            or "float16"; or "int8": `weight` is a `plsc.quantized.Int8Rows` (a byte per value
+            or "float16"; or "int8": `weight` is a `plsc.storage.int8.Int8Rows` (a byte per value
             and a float32 scale per row, a quarter of float32's bytes; `bias` stays float32), whose
             gradient goes to `row_update` or, without one, to `row_gradient("weight")`; it is no
             Paddle parameter, so `state_dict()` leaves it out (plsc's checkpoints save it). Every

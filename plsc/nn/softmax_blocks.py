@@ -12,8 +12,8 @@ from typing import NamedTuple
 import paddle
 from paddle import _C_ops
 
-from ..cpu_kernels import put_columns_, row_dot
-from ..numerics import SLAB_BYTES, sqrt_exact
+from ..kernels.cpu_kernels import put_columns_, row_dot
+from ..kernels.numerics import SLAB_BYTES, sqrt_exact
 from .. import storage
 from ..storage import read as _rows_f32
 

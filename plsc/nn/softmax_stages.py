@@ -13,8 +13,8 @@ filtered or clamped entries are `subcenters`' and `conflict_filter`'s.
 """
 import paddle
 
-from ..cpu_kernels import cpu_set, exp_shifted_, row_dot, scale_columns_
-from ..cpu_kernels import row_max as row_max_of
+from ..kernels.cpu_kernels import cpu_set, exp_shifted_, row_dot, scale_columns_
+from ..kernels.cpu_kernels import row_max as row_max_of
 from ..distributed import all_reduce_
 from .. import storage
 from ..storage import read as _rows_f32

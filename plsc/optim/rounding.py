@@ -1,5 +1,5 @@
 """Rounding float32 rows into 16-bit storage: to nearest even, or stochastically; and the
-uniform noise that 8-bit storage rounds with (`plsc.quantized`).
+uniform noise that 8-bit storage rounds with (`plsc.storage.int8`).
 
 `round_to(x, "bfloat16")` stores each value as its lower or upper 16-bit neighbour
 `lo <= x <= hi`, the upper with probability `(x - lo) / (hi - lo)`, so the stored
@@ -24,7 +24,7 @@ Method.
   stream, step and rank): uniform and pairwise independent (not 4-wise: the bits
   of a 2x2 block XOR to 0), so rounding errors are uncorrelated, at the cost of
   one broadcast per block.
-- The device set (`plsc.cpu_kernels.cpu_set`) computes the same bits in fewer, larger ops
+- The device set (`plsc.kernels.cpu_kernels.cpu_set`) computes the same bits in fewer, larger ops
   (one broadcast XOR; constants and the column terms made once per device, a batch's hash
   keys copied there 1,024 steps at a time); the CPU set keeps
   the expand and in-place XOR that Paddle's CPU kernels run faster.
@@ -37,8 +37,8 @@ import sys
 
 import paddle
 
-from ..cpu_kernels import cpu_set
-from ..numerics import cast_nearest, dtype_name
+from ..kernels.cpu_kernels import cpu_set
+from ..kernels.numerics import cast_nearest, dtype_name
 
 __all__ = ["round_to", "round_stacked", "uniform_noise", "StochasticBits", "BitsBatch"]
 

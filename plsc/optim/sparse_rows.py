@@ -11,18 +11,18 @@ The formulas are Paddle's: `Momentum` with L2 weight decay added to the
 gradient, and `AdamW` with decoupled decay.
 
 Storage is not compute: the weight and the optimizer state may be stored in
-bfloat16, float16 or 8 bits per value with a scale per row (`plsc.quantized`). Each
+bfloat16, float16 or 8 bits per value with a scale per row (`plsc.storage.int8`). Each
 chunk's rows are read as float32, updated in float32, and written back rounded to
 their storage (`plsc.optim.rounding`; stochastically by default, with random bits
 that depend on the optimizer's own step count, the head's rank and the row, so a
 resumed run is bit-identical); an 8-bit row gets a new scale when it is written.
 8-bit state uses the map `int8_maps` names for it (AdamW's moments are
-logarithmic, see `plsc.quantized`), 4-bit state (`state_dtype="int4"`, two codes a byte and a
-scale per block, `plsc.quantized4`) the map `int4_maps` names; state with one value per row
+logarithmic, see `plsc.storage.int8`), 4-bit state (`state_dtype="int4"`, two codes a byte and a
+scale per block, `plsc.storage.int4`) the map `int4_maps` names; state with one value per row
 (the bias's, AdamW's step counts) stays float32. Gradients may come in any float dtype and are upcast.
 Float32 storage is neither rounded nor changed in any bit.
 
-Kernel sets (`plsc.cpu_kernels.cpu_set`): the CPU set updates chunks of 1,024 rows and reads
+Kernel sets (`plsc.kernels.cpu_kernels.cpu_set`): the CPU set updates chunks of 1,024 rows and reads
 the fused update's finiteness on the host; the device set updates a slab from
 `plsc.storage`'s byte budget at a time, keeps the finiteness on the device (a slab whose
 gradient is not finite writes its rows back as they were) and merges accumulated gradients
@@ -33,10 +33,11 @@ import math
 
 import paddle
 
-from .. import cpu_setup, storage
-from ..cpu_kernels import all_finite, cpu_set, finite_flag
-from ..numerics import sqrt_exact, to_float32
-from .rows import Rows, head_params, head_rows, merge_sorted, merge_unique, row_index
+from ..process import cpu_setup
+from .. import storage
+from ..kernels.cpu_kernels import all_finite, cpu_set, finite_flag
+from ..kernels.numerics import sqrt_exact, to_float32
+from .step_rows import Rows, head_params, head_rows, merge_sorted, merge_unique, row_index
 
 __all__ = ["SparseRowOptimizer", "SparseMomentum", "SparseAdamW"]
 
@@ -58,8 +59,8 @@ class SparseRowOptimizer:
     """
 
     state_names = ()
-    int8_maps = {}  # the 8-bit map of each state array (`plsc.quantized.INT8_MAPS`)
-    int4_maps = {}  # the 4-bit map of each state array (`plsc.quantized4.INT4_MAPS`)
+    int8_maps = {}  # the 8-bit map of each state array (`plsc.storage.int8.INT8_MAPS`)
+    int4_maps = {}  # the 4-bit map of each state array (`plsc.storage.int4.INT4_MAPS`)
 
     def __init__(self, learning_rate, state_dtype=None, rounding="stochastic", seed=0):
         cpu_setup.ensure()  # a run's CPU set-up (threads, malloc) unless the user chose

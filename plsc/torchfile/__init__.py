@@ -54,7 +54,7 @@ at a multiple of 64 bytes as torch aligns them (so `torch.load(..., mmap=True)` 
 aligned), through `plsc.fileio.AtomicWriter`. Zip64 records are written where a record or the
 archive passes 4 GiB.
 """
-from .dtypes import TorchDtype, TorchFileError
+from .elements import TorchDtype, TorchFileError
 from .reader import LEGACY_MESSAGE, load
 from .writer import save
 

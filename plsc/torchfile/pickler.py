@@ -5,7 +5,7 @@ import struct
 
 import numpy as np
 
-from .dtypes import _SAVE_TYPES, _SAVE_V3, TorchFileError
+from .elements import _SAVE_TYPES, _SAVE_V3, TorchFileError
 
 _BATCH = 1000  # items per SETITEMS/APPENDS, as Python's pickler batches
 

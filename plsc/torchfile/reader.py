@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-from .dtypes import _BF16, TorchFileError, _numpy_kind
+from .elements import _BF16, TorchFileError, _numpy_kind
 from .unpickler import _Unpickler
 
 LEGACY_MESSAGE = ("saved by torch < 1.6 with the legacy format (or with "

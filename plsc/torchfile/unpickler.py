@@ -4,7 +4,7 @@ global before anything is called."""
 import collections
 import pickle
 
-from .dtypes import _BF16, _DTYPES, _STORAGE_TYPES, TorchDtype, _numpy_kind
+from .elements import _BF16, _DTYPES, _STORAGE_TYPES, TorchDtype, _numpy_kind
 
 
 class _StorageType(str):

@@ -8,7 +8,7 @@ from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..loss.table import margin_kwargs
 from ..optim import SparseAdamW, SparseMomentum
-from ..builders import open_dataset
+from ..parts import open_dataset
 
 __all__ = ["build_margin_from_config", "build_train_dataset", "build_backbone_optimizer",
            "build_head_optimizer"]

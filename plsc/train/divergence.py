@@ -8,7 +8,7 @@ reports in one line and exits with `DIVERGED_EXIT_CODE`. No checkpoint is writte
 weights that are not finite.
 """
 
-from ..exits import DIVERGED_EXIT_CODE
+from ..process.exits import DIVERGED_EXIT_CODE
 
 __all__ = ["DIVERGED_EXIT_CODE", "Diverged", "NonFiniteSteps"]
 

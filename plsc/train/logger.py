@@ -6,7 +6,7 @@ import sys
 import time
 
 from ..metrics import roc_image
-from ..progress import show_progress
+from ..process.progress import show_progress
 
 __all__ = ["TrainLogger", "visualdl_dir"]
 

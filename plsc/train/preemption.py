@@ -21,7 +21,7 @@ once, a hung rank only at the collective library's timeout. `peer_failure` recog
 errors so that the trainer can raise `RankLost`, which `tools/train.py` reports in one line and
 exits with `RANK_LOST_EXIT_CODE`.
 
-Before `StopSignals` starts, `plsc.startup`'s guard answers the signals (exit 75 at once: there
+Before `StopSignals` starts, `plsc.process.startup`'s guard answers the signals (exit 75 at once: there
 is nothing to save yet); `StopSignals` takes over from it.
 """
 import os
@@ -36,8 +36,8 @@ import paddle
 from .. import distributed as pd
 from ..data import WorkerDied
 from ..data.tensors import to_tensor
-from .. import startup
-from ..exits import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+from ..process import startup
+from ..process.exits import PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
 
 __all__ = ["PREEMPTED_EXIT_CODE", "RANK_LOST_EXIT_CODE", "Preempted", "RankLost", "StopSignals",
            "host_group", "peer_failure"]
@@ -113,9 +113,9 @@ class StopSignals:
     every rank. A second signal ends the process at once with status 128 + signal, whatever the
     main thread is doing (even waiting inside a collective): a thread reads the signals from
     Python's wake-up pipe. Stop signals within `BURST_SECONDS` of the first count as that one
-    (`plsc.startup.same_request`: a launcher's and a scheduler's signals of one stop), unless
+    (`plsc.process.startup.same_request`: a launcher's and a scheduler's signals of one stop), unless
     both are SIGINT. A loader worker's death during a stop is part of it (`claims`). It takes
-    over from `plsc.startup`'s guard (a signal the guard kept is recorded) and at its end puts
+    over from `plsc.process.startup`'s guard (a signal the guard kept is recorded) and at its end puts
     back what was there before the guard."""
 
     SIGNALS = startup.SIGNALS

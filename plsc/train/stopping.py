@@ -5,7 +5,7 @@ import contextlib
 import functools
 
 from .. import distributed as pd
-from .. import startup
+from ..process import startup
 from ..checkpoint import find_checkpoint, read_meta
 from ..data import PeerDataError
 from .divergence import Diverged

@@ -7,9 +7,9 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from .. import cpu_setup, runtime
+from ..process import cpu_setup, runtime
 from ..config import ConfigError, dump_config
-from ..cpu_kernels import finite_flag
+from ..kernels.cpu_kernels import finite_flag
 from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
 from ..data.sampler import FromBatch
 from ..data.tensors import to_tensor
@@ -17,7 +17,7 @@ from ..nn import PartialFC
 from ..optim.schedule import StepLR, make_lr_fn
 from ..checkpoint import (CheckpointManager, agree_checkpoint, remove_leftovers, repair_latest,
                           save_best)
-from ..builders import build_backbone, load_pretrained
+from ..parts import build_backbone, load_pretrained
 from ..checkpoint.lock import claim_folder
 from ..embedding import VerificationEvaluator
 from ..fileio import atomic_write

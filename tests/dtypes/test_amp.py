@@ -16,8 +16,8 @@ import pytest
 from paddle.base import core
 
 from trainer_common import config, make_data
-from plsc import runtime
-from plsc.cpu_kernels import KERNELS_ENV
+from plsc.process import runtime
+from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.models import build_model
 from plsc.train import Trainer
 from plsc.train import trainer as trainer_module

@@ -1,4 +1,4 @@
-"""8-bit head arrays (`plsc.quantized`): the maps against numpy oracles written here, error
+"""8-bit head arrays (`plsc.storage.int8`): the maps against numpy oracles written here, error
 bounds, unbiased stochastic writes, the optimizers' updates leaving other rows bit for bit, and
 an int8 head against the float64 dense oracle on the unquantised centres within the bound the
 quantisation allows. The head against the float32 head on the stored values (all paths, 1 to 4
@@ -12,7 +12,7 @@ from plsc.loss import CosFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
 from plsc.optim.rounding import uniform_noise
-from plsc.quantized import Int8Rows, dequantize, quantize
+from plsc.storage.int8 import Int8Rows, dequantize, quantize
 from plsc.storage import name as storage_name, read as rows_f32
 from plsc.nn.parallel_softmax import parallel_softmax_cross_entropy
 
@@ -380,7 +380,7 @@ def test_export_gives_float32_values_and_import_quantises(tmp_path):
 def test_cpu_numpy_path_gives_the_paddle_ops_bits(name, monkeypatch):
     """On the CPU `quantize`/`dequantize` run in numpy; the Paddle ops every other device runs
     give the same codes, scales and values bit for bit (nearest and stochastic)."""
-    import plsc.quantized as q
+    import plsc.storage.int8 as q
     x = paddle.to_tensor(rows(seed=11, positive=name == "uint8_log"))
     x[2, 4] = float("inf")
     u = uniform_noise(paddle.arange(x.shape[0], dtype="int64"), x.shape[1], seed=5)
@@ -458,7 +458,7 @@ def test_the_cpu_bracket_search_is_numpys_searchsorted(name):
     """The CPU path finds each value's place in a logarithmic map from log2 (no binary search);
     on the map's own values, their float32 neighbours, zeros, ±1 and values far below the
     smallest step it is `np.searchsorted(table, y, side="right")`."""
-    from plsc.quantized import INT8_MAPS, _count_at_most
+    from plsc.storage.int8 import INT8_MAPS, _count_at_most
     t = INT8_MAPS[name].table
     rng = np.random.RandomState(3)
     y = rng.uniform(-1, 1, 200000) * np.exp(rng.uniform(-30, 0, 200000))

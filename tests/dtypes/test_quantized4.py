@@ -1,4 +1,4 @@
-"""4-bit head state (`plsc.quantized4`): the maps, packing and block scales against a float64
+"""4-bit head state (`plsc.storage.int4`): the maps, packing and block scales against a float64
 numpy oracle written here from the module's definition (tables, nibble order, two's
 complement codes), their error bounds, unbiased stochastic writes, rows independent, the
 optimizers with 4-bit state against numpy steps on the stored state, the fused update equal
@@ -12,7 +12,7 @@ from plsc.loss import CosFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
 from plsc.optim.rounding import uniform_noise
-from plsc.quantized4 import Int4Rows, dequantize, quantize
+from plsc.storage.int4 import Int4Rows, dequantize, quantize
 from plsc.storage import name as storage_name
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets
@@ -227,7 +227,7 @@ def test_the_kernel_sets_give_the_same_bits(monkeypatch):
     """The numpy kernels (CPU set) and the Paddle ops (device set) store the same bytes and
     scales and read the same values, for both maps, nearest and stochastic: random rows, table
     values and their neighbours, a width not a multiple of the block, non-finite blocks."""
-    from plsc.cpu_kernels import KERNELS_ENV
+    from plsc.kernels.cpu_kernels import KERNELS_ENV
     out = {}
     for ks in ("auto", "device"):
         monkeypatch.setenv(KERNELS_ENV, ks)

@@ -1,4 +1,4 @@
-"""4-bit head state in checkpoints (`plsc.quantized4` through `plsc.checkpoint`): records of
+"""4-bit head state in checkpoints (`plsc.storage.int4` through `plsc.checkpoint`): records of
 scales and bytes, checksums, resume bit for bit, loads across dtypes, re-sharding; on both
 kernel sets. The oracle and the runs are test_quantized4.py's."""
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 from plsc.nn import PartialFC
 from plsc.optim import SparseAdamW, SparseMomentum
-from plsc.quantized4 import Int4Rows
+from plsc.storage.int4 import Int4Rows
 from plsc.storage import name as storage_name, read as rows_f32
 
 from dtypes.test_quantized4 import (B, _assert_same, _bits, _partial_fc_run, oracle_index,
@@ -99,7 +99,7 @@ def test_reshard_2_to_3_and_loads_from_other_dtypes(tmp_path, monkeypatch):
     import plsc.checkpoint as ckpt
     import plsc.checkpoint.head_arrays as store
     from plsc.distributed import ClassPartition
-    from plsc.quantized import Int8Rows
+    from plsc.storage.int8 import Int8Rows
     from dtypes.test_checkpoint import C, write_checkpoint
     d = 2 * B + 4
     monkeypatch.setattr(store, "_SLAB_BYTES", 2 * (12 + d // 2))  # slabs of 2 records

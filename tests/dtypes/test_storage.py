@@ -6,7 +6,7 @@ import paddle
 import pytest
 
 from plsc import storage
-from plsc.quantized import Int8Rows, dequantize
+from plsc.storage.int8 import Int8Rows, dequantize
 from dtypes.test_rounding import rne
 
 pytestmark = pytest.mark.usefixtures("kernels")  # every test on both kernel sets

@@ -265,10 +265,10 @@ def test_unfused_head_update_trains_like_the_fused_one(tmp_path, data_root, dtyp
 
 def test_float32_checkpoint_resumes_as_int8_and_back(tmp_path, data_root):
     """A float32 run's step-3 checkpoint resumed with Loss.param_dtype=int8: the centres and
-    the momentum are the float32 values quantised to nearest (plsc.quantized's rounding, whose
+    the momentum are the float32 values quantised to nearest (plsc.storage.int8's rounding, whose
     oracle tests are tests/dtypes/test_quantized.py's), and training goes on; that run's step-6
     checkpoint resumed as float32 holds the int8 rows' values exactly."""
-    from plsc.quantized import Int8Rows, quantize
+    from plsc.storage.int8 import Int8Rows, quantize
     from plsc.storage import read as rows_f32
     full = Trainer(config(data_root, str(tmp_path / "f32")), backbone=make_backbone(0))
     full.train()

@@ -26,7 +26,7 @@ def rounded(a, dtype):
     the values an 8-bit head stores for `a` (rows of two axes, quantised to nearest with a
     scale a row; a bias, one axis, stays float32)."""
     import paddle
-    from plsc.quantized import quantize
+    from plsc.storage.int8 import quantize
     if dtype == "int8":  # the codes plsc chooses, their values computed here: code · scale / 127
         if a.ndim < 2:
             return a

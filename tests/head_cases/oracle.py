@@ -4,7 +4,7 @@ import numpy as np
 
 from oracles import margin_params
 
-from head_cases.common import B, D, gather_rows, leaf, margins
+from head_cases.common import B, D, gather_rows, leaf, margins, run_head_step
 
 CLASS_COUNTS = (10, 23, 101)
 SAMPLED = (("arcface", 101, 0.5), ("softmax", 101, 0.5), ("cosface", 23, 0.3))
@@ -86,38 +86,24 @@ def check_against_oracles(margin, num_classes, ratio=1.0, chunk=0):
     import paddle
     from oracles import compare, make_case, rel_err
     from plsc.distributed import get_rank, get_world_size
-    from plsc.nn import PartialFC
 
     rank, k = get_rank(), get_world_size()
     x, y, w, b = make_case(seed=num_classes * 7 + k, n=k * B, d=D, num_classes=num_classes,
                            margin=margin)
-    head = PartialFC(D, num_classes, margin, sample_ratio=ratio, seed=5, chunk_size=chunk)
-    lo, hi = head.class_start, head.class_start + head.num_local
-    head.weight.set_value(w[lo:hi])
-    if b is not None:
-        head.bias.set_value(b[lo:hi])
-    x_local = leaf(x[rank * B:(rank + 1) * B])
-    y_local = paddle.to_tensor(y[rank * B:(rank + 1) * B])
-    loss = head(x_local, y_local)
-    loss.backward()
-    losses = gather_rows(paddle.to_tensor([float(loss)]))
-    dx = gather_rows(x_local.grad)
-    shard = head.partition.shard_size
+    set_bias = None if b is None else (
+        lambda head: head.bias.set_value(b[head.class_start:head.class_start + head.num_local]))
+    head, got, used, losses = run_head_step(margin, num_classes, x, y, w, ratio, chunk, setup=set_bias)
     sampled = ratio < 1.0
-    w_rows = head.sampled_weight if sampled else head.weight
-    b_rows = head.sampled_bias if sampled else head.bias
-    dw = gather_rows(w_rows.grad, pad_to=shard)
-    db = gather_rows(b_rows.grad, pad_to=shard) if b is not None else None
-    used = np.arange(num_classes)
-    if sampled:
-        used = gather_rows(head.sampled_index + lo, pad_to=shard)
+    if b is not None:
+        b_rows = head.sampled_bias if sampled else head.bias
+        got["db"] = gather_rows(b_rows.grad, pad_to=head.partition.shard_size)
 
     lit_worst = None
     if not sampled:  # Oracle 2 on every rank, compared rank by rank.
         literal = plsc_literal(x, y, w, b, margin, num_classes, k)
         lit = {
-            "loss": rel_err([float(loss)], [literal["loss"]]),
-            "dx": rel_err(x_local.grad.numpy(), literal["dx"][rank]),
+            "loss": rel_err([got["loss"]], [literal["loss"]]),
+            "dx": rel_err(got["dx"][rank * B:(rank + 1) * B], literal["dx"][rank]),  # this rank's rows
             "dw": rel_err(head.weight.grad.numpy(), literal["dw"][rank]),
         }
         if b is not None:
@@ -126,9 +112,6 @@ def check_against_oracles(margin, num_classes, ratio=1.0, chunk=0):
 
     if rank != 0:
         return None
-    got = {"loss": float(loss), "dx": dx, "dw": dw}
-    if b is not None:
-        got["db"] = db
     remapped = np.searchsorted(used, y)
     assert np.array_equal(used[remapped], y), "a positive was not sampled"
     errs = compare(got, x, remapped, w[used], margin, b[used] if b is not None else None)

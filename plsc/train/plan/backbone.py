@@ -5,7 +5,7 @@ with a hook on every convolution, linear layer and attention)."""
 import paddle
 from paddle import nn
 
-from ...builders import build_backbone
+from ...parts import build_backbone
 from ..grad_sync import OverlappedSum
 
 __all__ = ["BackboneCost", "backbone_cost", "forward_flops"]

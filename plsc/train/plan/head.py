@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ... import storage
 from ...nn import PartialFC
 from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, wgrad_block_bytes
-from ...numerics import DEVICE_SLAB_BYTES
+from ...kernels.numerics import DEVICE_SLAB_BYTES
 from ..builders import build_head_optimizer, build_margin_from_config
 
 __all__ = ["HeadShape", "head_arrays_per_class", "head_shape", "head_workspace"]

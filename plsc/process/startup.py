@@ -20,7 +20,7 @@ the main thread waits in a call that releases the GIL; Paddle's process-group se
 so a signal there takes effect when the set-up returns.
 
 **Several ranks.** Until the process group is formed (`group_ready`, called by
-`plsc.distributed.init`) a signal is kept, not acted on: a rank that left before the set-up
+`runtime.start` once `plsc.distributed.init` returns) a signal is kept, not acted on: a rank that left before the set-up
 would leave the others waiting in it (Paddle's store waits up to 900 s, holding the GIL). Ranks
 signalled together therefore all form the group and all end with 75; a rank that was not
 signalled meets the missing rank at its next collective (exit 69). While kept, a second

@@ -2,15 +2,15 @@
 enums this package speaks (checked against the library's own ``dnnl_*2str`` at load), memory
 descriptors and objects on the tensors' own memory, reorders and execution on one CPU stream.
 
-`plsc.onednn.conv` and `plsc.onednn.rows` build their primitives from these pieces."""
+`plsc.kernels.onednn.conv` and `plsc.kernels.onednn.rows` build their primitives from these pieces."""
 import ctypes
 import mmap
 import os
 
 import numpy as np
 
-__all__ = ["available", "version", "lib", "engine", "ok", "md", "memory", "set_handle", "primitive",
-           "reorder", "execute", "Arg", "Scratch", "SCRATCH", "dims", "vp", "dims_t", "F32"]
+__all__ = ["available", "version", "lib", "engine", "ok", "md", "memory", "set_handle", "bind",
+           "primitive", "reorder", "execute", "Arg", "Scratch", "SCRATCH", "dims", "vp", "dims_t", "F32"]
 
 # Values of oneDNN 3.x's C enums (dnnl_types.h / dnnl_common_types.h), checked against the
 # library's own dnnl_*2str at load (`_check_enums`).
@@ -275,6 +275,7 @@ class Arg:
         """Point the primitive's memory at the plain data `ptr`, reordering it if needed; when
         `staged_by` (another primitive's `Arg` of the same data, staged in this same call) already
         holds it in the layout this one wants, read that instead of reordering again."""
+        reordered = False
         if self.same:
             self.staged = ptr
         elif staged_by is not None and _lib.dnnl_memory_desc_equal(self.wanted, staged_by.wanted):
@@ -282,9 +283,10 @@ class Arg:
         else:
             self.staged = SCRATCH.address(self.slot, self.nbytes)
             set_handle(self.plain_memory, ptr)
-            set_handle(self.memory, self.staged)
-            execute(self.reorder, ((ARG_FROM, self.plain_memory), (ARG_TO, self.memory)))
+            reordered = True
         set_handle(self.memory, self.staged)
+        if reordered:
+            execute(self.reorder, ((ARG_FROM, self.plain_memory), (ARG_TO, self.memory)))
 
     def bind_out(self, ptr):
         """Point the primitive's output memory at `ptr`, or at its scratch slot when the result
@@ -306,6 +308,14 @@ def memory(md):
 
 def set_handle(mem, ptr):
     ok(_lib.dnnl_memory_set_data_handle(mem, vp(ptr)), "memory_set_data_handle")
+
+
+def bind(memories, ptrs):
+    """Point each role's memory (`memories[role]`) at its address in `ptrs` ({role: address});
+    the (role, memory) pairs `execute` takes."""
+    for role, ptr in ptrs.items():
+        set_handle(memories[role], ptr)
+    return [(role, memories[role]) for role in ptrs]
 
 
 def primitive(pd):

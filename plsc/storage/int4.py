@@ -26,11 +26,11 @@ A code is a value's index in its map's ascending table minus the index of 0, kep
 low nibble of byte j, element 2j + 1 the high one.
 
 Writing (`quantize`) rounds to nearest or, with `noise` (uniform in [0, 1), one per value),
-stochastically as `plsc.quantized` does (the logarithmic maps up where noise < the fraction of
+stochastically as `plsc.storage.int8` does (the logarithmic maps up where noise < the fraction of
 the bracket, the linear one where fraction + noise >= 1); a block with a NaN or an infinity
 gets a NaN scale (its codes are 0). The CPU kernel set runs numpy on the tensors' memory, a
 slab of rows per kernel thread, finding a logarithmic map's bracket from each value's bits
-(`plsc.quantized4_tables`); the device set runs batched Paddle ops: the bracket's row of a
+(`plsc.storage.int4_tables`); the device set runs batched Paddle ops: the bracket's row of a
 small table by `searchsorted`, the zero-point rule and the clipping folded into that table
 (the linear map: its formula), two nibbles a byte by one product with (1, 16), reads through
 a 256-entry table of byte pairs. The same IEEE operations, so the
@@ -41,10 +41,10 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from .cpu_kernels import applies, as_numpy, cpu_set, run_rows
-from .dtypes import INT4_MAP_NAMES
-from .quantized import Int8Rows, _Map, _take
-from .quantized4_tables import BLOCK, LEVELS, blocks, dequantize_rows, linear_table, \
+from ..kernels.cpu_kernels import applies, as_numpy, cpu_set, run_rows
+from ..dtypes import INT4_MAP_NAMES
+from .int8 import Int8Rows, _Map, _take
+from .int4_tables import BLOCK, LEVELS, blocks, dequantize_rows, linear_table, \
     pair_values, quantize_linear_rows, quantize_rows, rows as _rows, table as _table
 
 __all__ = ["BLOCK", "INT4_MAPS", "Int4Rows", "quantize", "dequantize", "record_dtype"]
@@ -178,7 +178,7 @@ def _pack(c, d, lead):
 
 
 def _quantize_numpy(x, name, noise):
-    """`quantize` on CPU tensors: `plsc.quantized4_tables.quantize_rows`, a slab of rows at a
+    """`quantize` on CPU tensors: `plsc.storage.int4_tables.quantize_rows`, a slab of rows at a
     time."""
     d, nb = x.shape[-1], blocks(x.shape[-1])
     codes = paddle.empty(x.shape[:-1] + [d // 2], "uint8")

@@ -14,8 +14,8 @@ from .conv import BLOCK
 from .library import (ARG_DIFF_DST, ARG_DIFF_SCALE, ARG_DIFF_SHIFT, ARG_DIFF_SRC, ARG_DST,
                       ARG_MEAN, ARG_SCALE, ARG_SHIFT, ARG_SRC, ARG_VARIANCE, BACKWARD,
                       FORWARD_INFERENCE, FORWARD_TRAINING, TAG_A, TAG_ABCD16B, USE_GLOBAL_STATS,
-                      USE_SCALE, USE_SHIFT, engine, execute, lib, md, memory, ok, primitive,
-                      set_handle, vp)
+                      USE_SCALE, USE_SHIFT, bind, engine, execute, lib, md, memory, ok,
+                      primitive, vp)
 
 __all__ = ["batchnorm_plan"]
 
@@ -41,17 +41,12 @@ class _BatchNorm:
         self.mem.update({arg: memory(self.stat) for arg in (
             ARG_MEAN, ARG_VARIANCE, ARG_SCALE, ARG_SHIFT, ARG_DIFF_SCALE, ARG_DIFF_SHIFT)})
 
-    def _bind(self, ptrs):
-        for arg, ptr in ptrs.items():
-            set_handle(self.mem[arg], ptr)
-        return [(arg, self.mem[arg]) for arg in ptrs]
-
     def forward(self, x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, var_ptr):
         """y = (x - mean) / sqrt(var + eps) * w + b over the batch's statistics, which it
         writes to `mean_ptr` and `var_ptr` (the biased variance)."""
-        execute(self.fwd, self._bind({ARG_SRC: x_ptr, ARG_DST: y_ptr, ARG_SCALE: w_ptr,
-                                      ARG_SHIFT: b_ptr, ARG_MEAN: mean_ptr,
-                                      ARG_VARIANCE: var_ptr}))
+        execute(self.fwd, bind(self.mem, {ARG_SRC: x_ptr, ARG_DST: y_ptr, ARG_SCALE: w_ptr,
+                                          ARG_SHIFT: b_ptr, ARG_MEAN: mean_ptr,
+                                          ARG_VARIANCE: var_ptr}))
 
     def infer(self, x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, var_ptr):
         """y = (x - mean) / sqrt(var + eps) * w + b over given (running) statistics."""
@@ -62,9 +57,9 @@ class _BatchNorm:
                 self.epsilon, _FLAGS | USE_GLOBAL_STATS, None),
                 "batch_normalization_forward_primitive_desc_create")
             self.inference = primitive(pd)
-        execute(self.inference, self._bind({ARG_SRC: x_ptr, ARG_DST: y_ptr, ARG_SCALE: w_ptr,
-                                            ARG_SHIFT: b_ptr, ARG_MEAN: mean_ptr,
-                                            ARG_VARIANCE: var_ptr}))
+        execute(self.inference, bind(self.mem, {ARG_SRC: x_ptr, ARG_DST: y_ptr,
+                                                ARG_SCALE: w_ptr, ARG_SHIFT: b_ptr,
+                                                ARG_MEAN: mean_ptr, ARG_VARIANCE: var_ptr}))
 
     def backward(self, x_ptr, w_ptr, mean_ptr, var_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr):
         """dx, dw, db of `forward` for dy (mean and var: what the forward wrote)."""
@@ -75,7 +70,7 @@ class _BatchNorm:
                 self.epsilon, _FLAGS, self.fwd_pd, None),
                 "batch_normalization_backward_primitive_desc_create")
             self.bwd = primitive(pd)
-        execute(self.bwd, self._bind({
+        execute(self.bwd, bind(self.mem, {
             ARG_SRC: x_ptr, ARG_MEAN: mean_ptr, ARG_VARIANCE: var_ptr, ARG_DIFF_DST: dy_ptr,
             ARG_SCALE: w_ptr, ARG_DIFF_SRC: dx_ptr, ARG_DIFF_SCALE: dw_ptr,
             ARG_DIFF_SHIFT: db_ptr}))

@@ -7,7 +7,7 @@ inherit 1). The rule (`choose`): a run's ``Global.cpu_threads``; else the user's
 not mistaken for it; in a launched rank a 1 is the launcher's Paddle import and counts as
 unset, a larger value is the user's); else the cores this process may use (affinity mask,
 capped by a cgroup CPU quota) divided by the ranks on its node, at least 1. `apply` gives that
-count to Paddle and to plsc's own kernels (`plsc.cpu_kernels`).
+count to Paddle and to plsc's own kernels (`plsc.kernels.cpu_kernels`).
 
 **Malloc.** `keep_freed_memory` lets glibc keep freed blocks up to 1 GiB for reuse instead of
 unmapping them (``PLSC_MALLOC=keep`` leaves malloc alone). Kept blocks stay resident even where
@@ -19,7 +19,7 @@ and after each evaluation and after each checkpoint, so the memory a rank keeps 
 steps reuse and an evaluation's batches do not add to the step's freed blocks
 (docs/performance.md, "Where a rank's memory goes").
 
-A run does both at its start (`plsc.runtime.start`). `ensure` is called when plsc builds a
+A run does both at its start (`plsc.process.runtime.start`). `ensure` is called when plsc builds a
 model, a head or a sparse-row optimizer: the first call in a process that has not chosen does
 the same, logged at debug level, unless a run already did; the user's own thread count wins
 (OMP_NUM_THREADS, or Paddle's count set before plsc: seen in the OpenMP runtime Paddle bundles
@@ -43,7 +43,7 @@ _kept = False  # whether `keep_freed_memory` set malloc's thresholds in this pro
 # docs/performance.md the pages a step touches stop growing from the third step on.
 SETTLING_STEPS = 3
 _LAUNCH_KEYS = ("PADDLE_TRAINER_ID", "PADDLE_LOCAL_SIZE", "PADDLE_TRAINERS_NUM")
-_log = logging.getLogger("plsc.cpu_setup")
+_log = logging.getLogger("plsc.process.cpu_setup")
 
 
 def _cgroup_cores():
@@ -115,7 +115,7 @@ def apply(requested=None):
     global NOTE
     from paddle.base import core
 
-    from . import cpu_kernels
+    from ..kernels import cpu_kernels
     threads, why = choose(requested)
     core.set_num_threads(threads)
     cpu_kernels.set_threads(threads)
@@ -188,7 +188,7 @@ def ensure():
     if NOTE is None:
         current = paddle_threads()
         if current is not None and current != 1:  # the user's (OMP_NUM_THREADS or a call)
-            from . import cpu_kernels
+            from ..kernels import cpu_kernels
             cpu_kernels.set_threads(current)  # plsc's own kernels follow it
             NOTE = f"CPU threads per rank: {current} (Paddle's, set before plsc: kept)"
         else:

@@ -25,15 +25,15 @@ a NaN or an infinity get a NaN scale (the row reads back as NaN). Reading (`rows
 storage dtype (float32 is returned as is, 16 bits upcast exactly, 8 bits dequantised).
 
 On the CPU both directions run as numpy on the tensors' memory, a slab of rows per kernel
-thread (`plsc.cpu_kernels`): the same IEEE operations as the Paddle ops used elsewhere, so the
+thread (`plsc.kernels.cpu_kernels`): the same IEEE operations as the Paddle ops used elsewhere, so the
 same bits (tested), several times faster than Paddle 3.3's CPU kernels (docs/performance.md,
 "plsc's own CPU kernels, measured").
 """
 import numpy as np
 import paddle
 
-from .cpu_kernels import applies, cpu_set, as_numpy, run_rows, take_rows
-from .dtypes import INT8_MAP_NAMES
+from ..kernels.cpu_kernels import applies, cpu_set, as_numpy, run_rows, take_rows
+from ..dtypes import INT8_MAP_NAMES
 
 __all__ = ["INT8_MAPS", "Int8Rows", "quantize", "dequantize", "record_dtype"]
 

@@ -2,9 +2,9 @@
 plsc`) and the device and process group every run of a config begins with (`start`), with
 the CPU set-up they make (BLAS code path, threads, malloc). Importing this module imports
 neither Paddle nor `plsc.config` (YAML and the schema), so that `import plsc` and a tool's
-first line, before `plsc.startup.hold`, stay light; the functions that need them import them.
-The backbone and data set a config names are built by `plsc.builders`, progress bars drawn by
-`plsc.progress` (their names are still reachable here).
+first line, before `plsc.process.startup.hold`, stay light; the functions that need them import them.
+The backbone and data set a config names are built by `plsc.parts`, progress bars drawn by
+`plsc.process.progress` (their names are still reachable here).
 
 **BLAS dispatch.** Paddle's bundled MKL picks a generic code path on processors that are not
 Intel's; with ``MKL_DEBUG_CPU_TYPE=5`` it takes its AVX2 kernels (measured on an AMD EPYC: a
@@ -12,7 +12,11 @@ head GEMM at 24 GFLOP/s without, 80 with). MKL reads the variable at its first m
 so `blas_dispatch` runs at ``import plsc``, which does not import Paddle. Intel processors,
 processors without AVX2, a variable the user set, and ``PLSC_MKL_DISPATCH=keep`` are left alone.
 
-**Threads and malloc** (`plsc.cpu_setup`, the same for runs and for a user's own loop): threads
+**Paddle's ccache line.** Paddle 3.3 warns at every import that no ``ccache`` is on PATH (a
+compiler cache for building C++ extensions, which plsc never does); `hide_ccache_warning`, also
+run by ``import plsc``, leaves out that one message from that one Paddle module.
+
+**Threads and malloc** (`plsc.process.cpu_setup`, the same for runs and for a user's own loop): threads
 by one rule (Global.cpu_threads, else the user's OMP_NUM_THREADS, else the usable cores divided
 by the ranks on the node), and malloc keeping freed blocks on the CPU.
 """
@@ -24,11 +28,18 @@ import warnings
 from .cpu_setup import apply as set_cpu_threads, choose as cpu_threads  # noqa: F401
 from .cpu_setup import keep_freed_memory, usable_cores  # noqa: F401 (this module's API)
 
-__all__ = ["blas_dispatch", "BLAS_NOTE", "cpu_description", "usable_cores",
+__all__ = ["blas_dispatch", "BLAS_NOTE", "hide_ccache_warning", "cpu_description", "usable_cores",
            "cpu_threads", "kernel_threads", "set_cpu_threads", "keep_freed_memory",
            "select_device", "start"]
 
 BLAS_NOTE = None  # what blas_dispatch did, for the run's first log lines
+
+
+def hide_ccache_warning():
+    """Ignore the UserWarning "No ccache found ..." of Paddle's `paddle.utils.cpp_extension`
+    (that message from that module only: every other warning stays as it was)."""
+    warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
+                            module=r"paddle\.utils\.cpp_extension")
 
 
 def _cpu_info():
@@ -86,9 +97,9 @@ def blas_dispatch(environ=os.environ, cpu=None):
 
 
 def kernel_threads():
-    """Threads of plsc's own CPU kernels (`plsc.cpu_kernels`, e.g. `plsc.models.prelu`'s):
+    """Threads of plsc's own CPU kernels (`plsc.kernels.cpu_kernels`, e.g. `plsc.models.prelu`'s):
     those `set_cpu_threads` gave Paddle, 1 before it is called (Paddle's own default)."""
-    from . import cpu_kernels
+    from ..kernels import cpu_kernels
     return cpu_kernels.threads()
 
 
@@ -97,7 +108,7 @@ def select_device(name, cpu_threads=None):
     follow `cpu_threads` (`cpu_threads`: Global.cpu_threads); on the CPU, malloc keeps freed
     memory for reuse (`keep_freed_memory`)."""
     import paddle
-    from .config import ConfigError
+    from ..config import ConfigError
     has_gpu = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
     if name == "gpu" and not has_gpu:
         raise ConfigError("Global.device is gpu but this Paddle build sees no GPU")
@@ -112,8 +123,14 @@ def select_device(name, cpu_threads=None):
 
 def start(cfg):
     """The preamble of every run of a config: its device (Global.device, Global.cpu_threads)
-    and the process group of the launched ranks (one process: none). Returns the device."""
-    from . import distributed
+    and the process group of the launched ranks (one process: none). Returns the device. A stop
+    signal that `startup`'s guard kept until the group was formed ends the process once the
+    set-up returns (or fails)."""
+    from .. import distributed
+    from . import startup
     device = select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
-    distributed.init()
+    try:
+        distributed.init()
+    finally:
+        startup.group_ready()
     return device

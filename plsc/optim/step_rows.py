@@ -7,7 +7,7 @@ import zlib
 import paddle
 
 from .. import storage
-from ..cpu_kernels import cpu_set
+from ..kernels.cpu_kernels import cpu_set
 from .rounding import BitsBatch, StochasticBits, round_stacked
 
 __all__ = ["Rows", "head_params", "head_rows", "merge_sorted", "merge_unique", "row_index"]

@@ -8,8 +8,8 @@ backward one. The forward may run in place (the same address for x and y).
 import ctypes
 
 from .library import (ARG_DIFF_DST, ARG_DIFF_SRC, ARG_DST, ARG_SRC, ELTWISE_CLIP_V2,
-                      ELTWISE_CLIP_V2_USE_DST, FORWARD_TRAINING, TAG_A, engine, execute, lib, md,
-                      memory, ok, primitive, set_handle, vp)
+                      ELTWISE_CLIP_V2_USE_DST, FORWARD_TRAINING, TAG_A, bind, engine, execute, lib,
+                      md, memory, ok, primitive, vp)
 
 __all__ = ["clip_plan"]
 
@@ -29,14 +29,9 @@ class _Clip:
         self.mem = {arg: memory(self.data) for arg in (ARG_SRC, ARG_DST, ARG_DIFF_DST,
                                                        ARG_DIFF_SRC)}
 
-    def _bind(self, ptrs):
-        for arg, ptr in ptrs.items():
-            set_handle(self.mem[arg], ptr)
-        return [(arg, self.mem[arg]) for arg in ptrs]
-
     def forward(self, x_ptr, y_ptr):
         """y = clip(x) (`y_ptr` may be `x_ptr`)."""
-        execute(self.fwd, self._bind({ARG_SRC: x_ptr, ARG_DST: y_ptr}))
+        execute(self.fwd, bind(self.mem, {ARG_SRC: x_ptr, ARG_DST: y_ptr}))
 
     def backward(self, y_ptr, dy_ptr, dx_ptr):
         """dx = dy where low < y < high, else 0 (`dx_ptr` may be `dy_ptr`)."""
@@ -47,8 +42,8 @@ class _Clip:
                 self.data, self.low, self.high, self.fwd_pd, None),
                 "eltwise_backward_primitive_desc_create")
             self.bwd = primitive(pd)
-        execute(self.bwd, self._bind({ARG_DST: y_ptr, ARG_DIFF_DST: dy_ptr,
-                                      ARG_DIFF_SRC: dx_ptr}))
+        execute(self.bwd, bind(self.mem, {ARG_DST: y_ptr, ARG_DIFF_DST: dy_ptr,
+                                          ARG_DIFF_SRC: dx_ptr}))
 
 
 def clip_plan(size, low, high):

@@ -2,7 +2,7 @@
 
 A float32 CPU tensor is viewed as a numpy array through DLPack (no copy) and the work is split
 by whole rows over the rank's kernel threads (`set_threads`, called by
-`plsc.cpu_setup.apply`; numpy releases
+`plsc.process.cpu_setup.apply`; numpy releases
 the GIL in its loops). A row is always computed whole by one call, so results do not depend on
 the thread count or on how the rows were sliced. The functions ending in `_` work in place and
 need a contiguous tensor. Every other tensor (other devices, other dtypes, strided views) goes
@@ -51,7 +51,7 @@ def cpu_set(*tensors):
 
 
 def set_threads(n):
-    """Run the kernels on `n` threads (`plsc.cpu_setup` gives them Paddle's)."""
+    """Run the kernels on `n` threads (`plsc.process.cpu_setup` gives them Paddle's)."""
     global _threads
     _threads = max(1, int(n))
 

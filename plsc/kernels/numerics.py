@@ -11,7 +11,7 @@ is correctly rounded, and rounding it to float32 gives the correctly rounded flo
 """
 import paddle
 
-from .dtypes import FLOAT_DTYPES as STORAGE_DTYPES  # the float storage dtypes
+from ..dtypes import FLOAT_DTYPES as STORAGE_DTYPES  # the float storage dtypes
 
 __all__ = ["STORAGE_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "dtype_name", "to_float32", "cast_nearest",
            "sqrt_exact"]

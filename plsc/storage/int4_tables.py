@@ -1,4 +1,4 @@
-"""The 4-bit maps' tables and their numpy kernels (the CPU kernel set of `plsc.quantized4`).
+"""The 4-bit maps' tables and their numpy kernels (the CPU kernel set of `plsc.storage.int4`).
 
 The linear map is written by its formula (`quantize_linear_rows`). A logarithmic map's positive
 values are the half-octave boundaries 2^(-k/2), float32: 2^-j, and float32(√2) times 2^-j,
@@ -231,7 +231,7 @@ def quantize_linear_rows(x, noise, codes, scale):
 
 def quantize_rows(x, noise, codes, scale, signed, smallest):
     """Codes (`[n, d/2]` uint8) and scales (`[n, blocks]`) of float32 rows `x` (`[n, d]`):
-    `plsc.quantized4.quantize`'s arithmetic on one slab. `smallest`: (bits of the map's
+    `plsc.storage.int4.quantize`'s arithmetic on one slab. `smallest`: (bits of the map's
     smallest positive value, its count of positive values)."""
     buf = _buffers(x.size)
     y = buf["y"][:x.size].reshape(x.shape)

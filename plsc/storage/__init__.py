@@ -1,9 +1,10 @@
 """The head's row arrays behind one interface, whatever they are stored as.
 
 A head array (class centres, their bias, optimizer state) is a Paddle tensor of float32,
-bfloat16 or float16, an 8-bit `plsc.quantized.Int8Rows` (codes and a scale per row), or (optimizer
-state) its 4-bit form `plsc.quantized4.Int4Rows` (two codes a byte, a scale per block). All
-arithmetic is float32: callers read rows as float32 (`read`, `take`), compute, and write float32
+bfloat16 or float16, an 8-bit `Int8Rows` (`int8.py`: codes and a scale per row), or (optimizer
+state) its 4-bit form `Int4Rows` (`int4.py`, its tables and numpy kernels in `int4_tables.py`:
+two codes a byte, a scale per block). This module is the interface; one module a stored form
+holds the rest. All arithmetic is float32: callers read rows as float32 (`read`, `take`), compute, and write float32
 rows back (`put`), which rounds them into the storage (to nearest; stochastically when the
 caller gives random bits, see `put`). No caller asks which storage it holds.
 
@@ -16,15 +17,15 @@ update of a Partial FC step is one slab up to that many sampled rows. The budget
 float32 copy of the slab's rows; an update's temporaries are a few such copies.
 
 Which kernels serve a tensor (numpy on the CPU, Paddle ops elsewhere) is
-`plsc.cpu_kernels.cpu_set`'s choice, the one place it is made.
+`plsc.kernels.cpu_kernels.cpu_set`'s choice, the one place it is made.
 """
 import paddle
 
-from .dtypes import HEAD_DTYPES, STATE_DTYPES, STORED_DTYPES
-from .cpu_kernels import all_finite, cpu_set, take_rows
-from .numerics import DEVICE_SLAB_BYTES, SLAB_BYTES, cast_nearest, to_float32
-from .quantized import Int8Rows
-from .quantized4 import Int4Rows
+from ..dtypes import HEAD_DTYPES, STATE_DTYPES, STORED_DTYPES
+from ..kernels.cpu_kernels import all_finite, cpu_set, take_rows
+from ..kernels.numerics import DEVICE_SLAB_BYTES, SLAB_BYTES, cast_nearest, to_float32
+from .int8 import Int8Rows
+from .int4 import Int4Rows
 
 __all__ = ["HEAD_DTYPES", "STATE_DTYPES", "STORED_DTYPES", "SLAB_BYTES", "DEVICE_SLAB_BYTES", "name",
            "is_float32", "has_autograd", "zeros", "read", "take", "take_stored", "put", "nbytes",
