@@ -5,8 +5,8 @@
 A write is `quantize` of a `[rows, dim]` float32 chunk with stochastic-rounding noise (as
 the optimizers write state), a read is `dequantize` of the codes back to float32, for each
 map: "int8" (linear), "int8_log", "uint8_log" (`plsc.storage.int8`), "int4" (linear),
-"int4_log", "uint4_log" (`plsc.storage.int4`). Every round runs each once (a drift of the machine's speed hits all
-alike); medians reported, of the wall time and of the thread's CPU time (which leaves out the
+"int4_log", "uint4_log" (`plsc.storage.int4`). Every round runs each once (a drift of the
+machine's speed hits all alike); medians reported, of the wall time and of the thread's CPU time (which leaves out the
 time other processes held the core). One kernel thread, malloc as a training run keeps it.
 Prints JSON: milliseconds, and the ratios to the linear int8 map's.
 """

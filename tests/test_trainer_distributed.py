@@ -181,6 +181,8 @@ def test_demo_config_end_to_end_shortened(tmp_path_factory, run_ranks):
     assert done.status == 0, done.tail()
     for rank in (0, 1):  # Paddle's ccache warning is left out (plsc.process.runtime)
         assert "ccache" not in done.logs[rank], done.logs[rank][:2000]
+    assert "plsc: generating the synthetic data set under" in done.logs[0], done.logs[0][:3000]
+    assert "480 training images of 60 identities and 100 verification pairs written" in done.logs[0]
     for step in (0, 6, 12):
         assert f"[val] step {step} accuracy" in log, log
     assert "step 12/12" in log

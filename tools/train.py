@@ -27,7 +27,8 @@ from plsc.cli import config_parser, run_tool  # noqa: E402
 def train(cfg):
     from plsc.train import Trainer
     from plsc.checkpoint import CheckpointSaveError
-    from plsc.process.exits import DIVERGED_EXIT_CODE, IO_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE, RANK_LOST_EXIT_CODE
+    from plsc.process.exits import (DIVERGED_EXIT_CODE, IO_ERROR_EXIT_CODE, PREEMPTED_EXIT_CODE,
+                                    RANK_LOST_EXIT_CODE)
     from plsc.train.preemption import Preempted, RankLost
     from plsc.train.divergence import Diverged
     try:

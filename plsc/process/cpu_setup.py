@@ -154,8 +154,9 @@ def keep_freed_memory(environ=os.environ):
     except (OSError, AttributeError):
         return None
     _kept = _kept or ok
-    MALLOC_NOTE = ("malloc: freed blocks up to 1 GiB kept for reuse (PLSC_MALLOC=keep turns "
-                   "this off)" if ok else "malloc: glibc refused mallopt; left as it is")
+    MALLOC_NOTE = ("malloc: freed blocks up to 1 GiB kept for reuse, not returned to the system "
+                   "(PLSC_MALLOC=keep keeps glibc's own behaviour)" if ok
+                   else "malloc: glibc refused mallopt; left as it is")
     return MALLOC_NOTE
 
 

@@ -20,11 +20,11 @@ the main thread waits in a call that releases the GIL; Paddle's process-group se
 so a signal there takes effect when the set-up returns.
 
 **Several ranks.** Until the process group is formed (`group_ready`, called by
-`runtime.start` once `plsc.distributed.init` returns) a signal is kept, not acted on: a rank that left before the set-up
-would leave the others waiting in it (Paddle's store waits up to 900 s, holding the GIL). Ranks
-signalled together therefore all form the group and all end with 75; a rank that was not
-signalled meets the missing rank at its next collective (exit 69). While kept, a second
-signal ends the process at once (128 + n), as in training.
+`runtime.start` once `plsc.distributed.init` returns) a signal is kept, not acted on: a rank
+that left before the set-up would leave the others waiting in it (Paddle's store waits up to
+900 s, holding the GIL). Ranks signalled together therefore all form the group and all end
+with 75; a rank that was not signalled meets the missing rank at its next collective (exit
+69). While kept, a second signal ends the process at once (128 + n), as in training.
 
 **Hand-over.** Training's `StopSignals` takes over when its loop starts (`hand_over`): from
 there every rank stops at the same step. Other tools keep the guard to their end (`end`). Once

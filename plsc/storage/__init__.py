@@ -4,9 +4,9 @@ A head array (class centres, their bias, optimizer state) is a Paddle tensor of 
 bfloat16 or float16, an 8-bit `Int8Rows` (`int8.py`: codes and a scale per row), or (optimizer
 state) its 4-bit form `Int4Rows` (`int4.py`, its tables and numpy kernels in `int4_tables.py`:
 two codes a byte, a scale per block). This module is the interface; one module a stored form
-holds the rest. All arithmetic is float32: callers read rows as float32 (`read`, `take`), compute, and write float32
-rows back (`put`), which rounds them into the storage (to nearest; stochastically when the
-caller gives random bits, see `put`). No caller asks which storage it holds.
+holds the rest. All arithmetic is float32: callers read rows as float32 (`read`, `take`),
+compute, and write float32 rows back (`put`), which rounds them into the storage (to nearest;
+stochastically when the caller gives random bits, see `put`). No caller asks which storage it holds.
 
 Slabs: passes over many rows go a slab at a time, sized from a byte budget of float32 rows
 (`slab_rows`): `SLAB_BYTES` (32 MiB) for the CPU kernel set, where a slab should stay near the

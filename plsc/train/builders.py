@@ -1,6 +1,7 @@
 """Parts of a training run built from a validated config: the margin, the training set and
 the two optimizers (the backbone's and the head's sparse one)."""
 import os
+import time
 
 import paddle
 
@@ -21,6 +22,11 @@ def build_margin_from_config(loss):
     return build_margin(name, **kwargs)
 
 
+def _say(line):
+    """A timestamped line on stdout, before the run's logger exists."""
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
+
+
 def build_train_dataset(cfg):
     """The training dataset of `cfg['Data']`; synthetic data are generated on first use."""
     d = cfg["Data"]
@@ -32,7 +38,12 @@ def build_train_dataset(cfg):
         if not os.path.isfile(os.path.join(root, "train.idx")):
             if get_rank() == 0:
                 from ..data.synthetic import generate
-                generate(root, image_size=size[0], **d["synthetic"])
+                _say(f"plsc: generating the synthetic data set under {root} (first use only)")
+                start = time.perf_counter()
+                made = generate(root, image_size=size[0], **d["synthetic"])
+                _say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
+                     f"identities and {made['num_pairs']} verification pairs written in "
+                     f"{time.perf_counter() - start:.1f} s")
             barrier()
         kind = "recordio"
     ds, _ = open_dataset(kind, root, size, train=True, num_classes=cfg["Loss"]["num_classes"],
