@@ -162,7 +162,7 @@ def _tree(tmp_path, files):
     return tmp_path / "pkg"
 
 
-TABLE = "<!-- layers -->\n```text\n3  pkg.top\n2  pkg.mid: middle\n1  pkg.low pkg.leaf.py\n```\n"
+TABLE = "<!-- layers -->\n```text\n3  pkg.top\n2  pkg.mid: middle\n1  pkg.low\n```\n"
 
 
 @pytest.mark.parametrize("files, expected", [
