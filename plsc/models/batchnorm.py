@@ -88,18 +88,18 @@ class BatchNorm2D(_UnbiasedRunningVar, nn.BatchNorm2D):
     def forward(self, x):
         if not blocked.is_blocked(x):
             return _UnbiasedRunningVar.forward(self, x)  # (no super(): see above)
-        if self.weight is None or self.bias is None or self._data_format != "NCHW":
+        batch_stats = self.training and not self._use_global_stats
+        if (self.weight is None or self.bias is None or self._data_format != "NCHW"
+                or (not batch_stats and paddle.is_grad_enabled())):  # rare: the plain layer
             return blocked.to_blocked(_UnbiasedRunningVar.forward(self, blocked.to_plain(x)))
-        if self.training and not self._use_global_stats:
+        if batch_stats:
             batch_mean, batch_var = paddle.empty_like(self._mean), paddle.empty_like(self._mean)
             out = _BlockedBatchNorm.apply(x, self.weight, self.bias, batch_mean, batch_var,
                                           self._epsilon)
             n, _, h, w = blocked.logical_shape(x)
             self._update_running(batch_mean, batch_var, n * h * w)
             return out
-        if paddle.is_grad_enabled():  # evaluation statistics with gradients: rare, plain
-            return blocked.to_blocked(_UnbiasedRunningVar.forward(self, blocked.to_plain(x)))
-        x = x if x.is_contiguous() else x.contiguous()
+        x = x if x.is_contiguous() else x.contiguous()  # evaluation without gradients
         y = paddle.empty(x.shape, dtype=x.dtype)
         onednn.batchnorm_plan(blocked.logical_shape(x), self._epsilon).infer(
             x.data_ptr(), self.weight.data_ptr(), self.bias.data_ptr(), y.data_ptr(),

@@ -20,6 +20,7 @@ from ..kernels.onednn.conv import BLOCK  # channels a block holds (16)
 
 __all__ = ["BLOCK", "is_blocked", "logical_shape", "to_plain", "to_blocked"]
 
+
 def is_blocked(x):
     """True when `x` is a blocked activation ([N, C/16, H, W, 16])."""
     return x.ndim == 5 and int(x.shape[-1]) == BLOCK
@@ -42,4 +43,3 @@ def to_blocked(x):
     if c % BLOCK:
         raise ValueError(f"a blocked layout needs channels in multiples of {BLOCK}, got {c}")
     return paddle.transpose(x.reshape([n, c // BLOCK, BLOCK, h, w]), [0, 1, 3, 4, 2]).contiguous()
-
