@@ -2,9 +2,9 @@
 plsc`) and the device and process group every run of a config begins with (`start`), with
 the CPU set-up they make (BLAS code path, threads, malloc). Importing this module imports
 neither Paddle nor `plsc.config` (YAML and the schema), so that `import plsc` and a tool's
-first line, before `plsc.process.startup.hold`, stay light; the functions that need them import them.
-The backbone and data set a config names are built by `plsc.parts`, progress bars drawn by
-`plsc.process.progress` (their names are still reachable here).
+first line, before `plsc.process.startup.hold`, stay light; the functions that need them
+import them. The backbone and data set a config names are built by `plsc.parts`, progress bars
+drawn by `plsc.process.progress`.
 
 **BLAS dispatch.** Paddle's bundled MKL picks a generic code path on processors that are not
 Intel's; with ``MKL_DEBUG_CPU_TYPE=5`` it takes its AVX2 kernels (measured on an AMD EPYC: a
