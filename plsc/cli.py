@@ -81,13 +81,19 @@ def run_tool(args, task, *extra, expected=(), before=None):
 def report_summary(tool, make):
     """For a file-preparing tool without a config: call `make()`, print its summary (a dict) as
     one JSON line and give 0; a DataError (a bad input line or file) prints one line,
-    `<tool>: error: ...`, and gives 65."""
+    `<tool>: error: ...`, and gives 65. A SIGTERM or SIGINT meanwhile ends it with one line
+    and 75 (`plsc.process.startup`; the tool holds them from its first line): its workers end
+    with it, and what it was writing stays a temporary file that the next run removes."""
+    startup.hold()
     from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
+    startup.guard()
     try:
         summary = make()
     except DataError as err:
         print(f"{tool}: error: {err}", file=sys.stderr)
         return DATA_ERROR_EXIT_CODE
+    finally:
+        startup.end()
     print(json.dumps(summary))
     return 0
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
-           "checksum_file", "is_temporary", "free_bytes", "fsync_dir", "temp_folder",
+           "checksum_file", "is_temporary", "remove_leftovers", "free_bytes", "fsync_dir", "temp_folder",
            "commit_folder", "write_in_place", "write_json", "write_npy", "write_npz", "write_image",
            "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX",
            "TEST_READ_ONLY_ENV"]
@@ -51,6 +51,32 @@ class FileRecord(NamedTuple):
 def is_temporary(name):
     """Whether `name` is a temporary file of this module (a leftover when no writer runs)."""
     return name.endswith(TEMP_SUFFIX)
+
+
+def remove_leftovers(path):
+    """Delete the temporary files of `path` that processes no longer running here left (a
+    tool killed while writing it), e.g. before a run writes `path` again. A writer's is kept."""
+    folder, name = os.path.split(os.fspath(path))
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(name) + 1:-len(TEMP_SUFFIX)]
+        if (entry.startswith(name + ".") and is_temporary(entry) and pid.isdigit()
+                and not _running(int(pid))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
+
+
+def _running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's
+        pass
+    return True
 
 
 def _temp_name(path):

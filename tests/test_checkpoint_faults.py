@@ -17,7 +17,7 @@ from trainer_common import CLASSES, IMAGE, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
                                     verify_checkpoint)
-from plsc.fileio import AtomicWriter
+from plsc.fileio import AtomicWriter, remove_leftovers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT = 150  # seconds before a subprocess is killed (SIGKILL): a hang fails, never stalls
@@ -103,6 +103,17 @@ def test_writer_records_what_is_on_disk_and_is_all_or_nothing(tmp_path):
         raise RuntimeError("the producer failed")
     assert open(path, "rb").read() == data  # the old file, whole
     assert os.listdir(tmp_path) == ["a.bin"]  # no temporary file left
+
+
+def test_leftovers_of_dead_writers_of_that_file_only_are_removed(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    names = [f"a.bin.{dead.pid}.part", f"a.bin.{os.getpid()}.part", f"b.bin.{dead.pid}.part",
+             f"a.bin.{dead.pid}.tmp", "a.bin.x.part", "a.bin"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    remove_leftovers(tmp_path / "a.bin")
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
 
 
 def test_manifest_lists_every_file_with_its_size_and_checksum(pristine):

@@ -157,30 +157,6 @@ def test_workers_leave_a_stop_to_the_main_process():
     assert multiprocessing.active_children() == []
 
 
-_POOL = """
-import os, signal, time
-from plsc.data.prepare import in_order
-
-def task(item):  # each pool process sends itself SIGTERM and SIGINT
-    if item < 2:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.01)
-    return item * item
-
-print(list(in_order(task, range(40), workers=2)) == [i * i for i in range(40)])
-"""
-
-
-def test_pool_processes_of_the_prepare_tools_ignore_stop_signals():
-    """A pool process killed by the signal would lose its task: the pool would wait forever."""
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", _POOL], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stdout + proc.stderr
-
-
 @pytest.mark.parametrize("codes,names,advice", [
     ([-9], "pid 11 killed by signal 9 (SIGKILL)", True),
     ([-15], "pid 11 killed by signal 15 (SIGTERM)", False),

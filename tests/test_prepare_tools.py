@@ -155,3 +155,63 @@ def test_make_verification_bin_bad_pairs_line_is_one_line_and_65(faces, tmp_path
     usage = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "make_verification_bin.py")],
                            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert usage.returncode == 2
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _group_alive(pgid):
+    alive = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == pgid:
+            alive.append(int(entry))
+    return alive
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs Linux's /proc/PID/task/TID/children")
+def test_pack_rec_stopped_with_its_workers_ends_with_75_and_the_next_run_cleans_up(tmp_path):
+    """SIGTERM to the process group while its two workers encode: one line, status 75, every
+    process gone, only temporary files written; the next run removes them and packs."""
+    import signal
+    import time
+    rng = np.random.default_rng(1)
+    for ident in range(20):
+        os.makedirs(tmp_path / "imgs" / f"{ident:02d}")
+        for k in range(60):  # noise: slow to encode, so the workers' stage lasts
+            cv2.imwrite(str(tmp_path / "imgs" / f"{ident:02d}" / f"{k}.jpg"),
+                        rng.integers(0, 256, (200, 200, 3), dtype=np.uint8))
+    cmd = [sys.executable, os.path.join(ROOT, "tools/pack_rec.py"), "--input", str(tmp_path / "imgs"),
+           "--output", str(tmp_path / "out"), "--image-size", "112", "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    workers = _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert len(workers) == 2 and proc.returncode == 75, (workers, err)
+    assert err.strip().splitlines()[-1] == ("plsc: preempted; nothing to save (signal 15, SIGTERM); "
+                                            "run the same command again"), err
+    assert "FatalError" not in err and out == ""
+    deadline = time.monotonic() + 5
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _group_alive(proc.pid) == []
+    left = sorted(os.listdir(tmp_path / "out"))
+    assert left and all(name.endswith(f".{proc.pid}.part") for name in left), left
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == ["property", "train.idx", "train.rec"]
+    assert len(records(tmp_path / "out")) == 20 * 60

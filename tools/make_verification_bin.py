@@ -16,11 +16,15 @@ import argparse
 import os
 import sys
 
-from plsc.cli import report_summary
-from plsc.data.errors import DataError
-from plsc.data.prepare import aligned_jpeg, read_bytes, read_landmark_list, read_pairs
-from plsc.data.transforms import decode_image
-from plsc.data.verification import write_verification_bin
+from plsc.process import startup
+
+startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
+
+from plsc.cli import report_summary  # noqa: E402
+from plsc.data.errors import DataError  # noqa: E402
+from plsc.data.prepare import aligned_jpeg, read_bytes, read_landmark_list, read_pairs  # noqa: E402
+from plsc.data.transforms import decode_image  # noqa: E402
+from plsc.data.verification import write_verification_bin  # noqa: E402
 
 
 def make(pairs_path, output, root=None, landmarks=None, image_size=112, quality=95):

@@ -21,12 +21,17 @@ import logging
 import os
 import sys
 
-from plsc.cli import report_summary
-from plsc.data.errors import DataError
-from plsc.data.prepare import aligned_or_error, in_order, read_landmark_list, resized_jpeg
-from plsc.data.facerec import write_face_rec
-from plsc.data.sources import read_image_list, scan_image_folder
-from plsc.data.transforms import decode_image
+from plsc.process import startup
+
+startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
+
+from plsc.cli import report_summary  # noqa: E402
+from plsc.data.errors import DataError  # noqa: E402
+from plsc.data.pool import in_order  # noqa: E402
+from plsc.data.prepare import aligned_or_error, read_landmark_list, resized_jpeg  # noqa: E402
+from plsc.data.facerec import write_face_rec  # noqa: E402
+from plsc.data.sources import read_image_list, scan_image_folder  # noqa: E402
+from plsc.data.transforms import decode_image  # noqa: E402
 
 logger = logging.getLogger("pack_rec")
 

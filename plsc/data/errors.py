@@ -26,16 +26,17 @@ class WorkerDied(DataError):
     death that is part of it from a data error. The memory advice is given only for SIGKILL,
     what the kernel's out-of-memory killer sends."""
 
-    def __init__(self, deaths):
+    def __init__(self, deaths, what="data loader worker", lower="Data.num_workers or Data.batch_size"):
         """`deaths`: (pid, exit code or None for "closed its result pipe") of each dead worker,
-        a negative code being the signal that killed it."""
+        a negative code being the signal that killed it; `what` the worker is; `lower`: the
+        options whose lowering the memory advice suggests."""
         self.signals = tuple(-code for _, code in deaths if code is not None and code < 0)
         if len(self.signals) < len(deaths):
             self.signals = ()
         how = ", ".join(f"pid {pid} {_death(code)}" for pid, code in deaths)
-        advice = ("; if it ran out of memory, lower Data.num_workers or Data.batch_size"
+        advice = (f"; if it ran out of memory, lower {lower}"
                   if any(code == -signal.SIGKILL for _, code in deaths) else "")
-        super().__init__(f"a data loader worker died ({how}){advice}")
+        super().__init__(f"a {what} died ({how}){advice}")
 
 
 def _death(code):

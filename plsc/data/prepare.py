@@ -2,7 +2,6 @@
 landmark lists, pairs lists (plain or LFW's pairs.txt), and a face aligned and re-encoded.
 
 Every malformed line is a `DataError` naming the file and the line number."""
-import multiprocessing
 import os
 
 import cv2
@@ -10,10 +9,9 @@ import numpy as np
 
 from .align import align_face
 from .errors import DataError
-from .loader import forking, ignore_stop_signals
 from .transforms import decode_image
 
-__all__ = ["read_landmark_list", "read_pairs", "aligned_jpeg", "aligned_or_error", "resized_jpeg", "in_order",
+__all__ = ["read_landmark_list", "read_pairs", "aligned_jpeg", "aligned_or_error", "resized_jpeg",
            "LANDMARK_FIELDS"]
 
 LANDMARK_FIELDS = "path label x1 y1 x2 y2 x3 y3 x4 y4 x5 y5"
@@ -128,15 +126,3 @@ def resized_jpeg(size, quality, path):
         buf = cv2.imencode(".jpg", cv2.cvtColor(img, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])[1]
         buf = buf.tobytes()
     return buf
-
-
-def in_order(fn, items, workers=1):
-    """fn over `items`, in order; in `workers` forked processes when more than one (the
-    same results: each item's is computed by the same function alone)."""
-    if workers <= 1:
-        yield from map(fn, items)
-        return
-    with forking():  # the pool's processes leave a stop to this one
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=ignore_stop_signals)
-    with pool:
-        yield from pool.imap(fn, items, chunksize=16)

@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from ..fileio import AtomicWriter
+from ..fileio import AtomicWriter, remove_leftovers
 from .errors import DataError
 
 __all__ = ["MAGIC", "encode_record", "decode_record", "read_index", "RecordIOReader", "RecordIOWriter"]
@@ -240,12 +240,15 @@ class RecordIOWriter:
     """Append records to a ``.rec`` file and its ``.idx``.
 
     Both files are written under temporary names and renamed into place by
-    `close()`; leaving a ``with`` block by an exception deletes them.
+    `close()`; leaving a ``with`` block by an exception deletes them, and the
+    temporary files a killed writer left of them are deleted at the start.
     """
 
     def __init__(self, rec_path, idx_path=None):
         self.rec_path = os.fspath(rec_path)
         self.idx_path = os.fspath(idx_path) if idx_path else os.path.splitext(self.rec_path)[0] + ".idx"
+        for path in (self.rec_path, self.idx_path):
+            remove_leftovers(path)
         self._rec = AtomicWriter(self.rec_path)
         try:
             self._idx = AtomicWriter(self.idx_path)

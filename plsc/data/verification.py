@@ -10,7 +10,7 @@ import pickle
 import cv2
 import numpy as np
 
-from ..fileio import AtomicWriter
+from ..fileio import AtomicWriter, remove_leftovers
 from .errors import DataError
 from .transforms import FaceTransform, decode_image
 
@@ -82,6 +82,7 @@ def write_verification_bin(path, images, issame, ext=".jpg", quality=95):
         if not ok:
             raise ValueError(f"cannot encode image {i} as {ext}")
         bins.append(enc.tobytes())
+    remove_leftovers(path)  # a killed writer's temporary file
     with AtomicWriter(path) as f:
         pickle.dump((bins, issame), f, protocol=4)
 
