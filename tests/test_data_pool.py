@@ -100,7 +100,7 @@ def test_workers_of_a_killed_main_process_end_by_themselves(tmp_path):
         code = subprocess.run([sys.executable, "-c", _ORPHANS], stdout=f, timeout=120).returncode
     pids = [int(p) for p in out.read_text().split()]
     assert code == -9 and len(pids) == 2, out.read_text()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 10
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = [p for p in pids if _alive(p)]
