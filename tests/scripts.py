@@ -2,6 +2,7 @@
 their folders on sys.path (where tools/checkpoint.py would shadow any module `checkpoint`)."""
 import importlib.util
 import os
+import signal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,4 +14,7 @@ def load(path, name=None):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # A tool's first line blocks the stop signals until its guard (plsc.process.startup.hold);
+    # loading it runs no tool, so this test process gets them back.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     return module
