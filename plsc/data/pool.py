@@ -32,7 +32,8 @@ _IN_FLIGHT = 4  # chunks sent ahead to each worker
 def in_order(fn, items, workers=1, advice="--workers"):
     """fn over `items`, in order; in `workers` forked processes when more than one (the same
     results: each item's is computed by the same function alone). `advice`: the option that
-    lowers the workers, named when one is killed (out of memory)."""
+    lowers the workers, named when one is killed (out of memory). Items go to the workers a few
+    chunks ahead through their pipes: keep them small (file names, not images)."""
     if workers <= 1:
         yield from map(fn, items)
         return
