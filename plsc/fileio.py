@@ -30,8 +30,8 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = ["FileRecord", "AtomicWriter", "atomic_write", "atomic_path", "commit_file", "copy_file",
-           "checksum_file", "is_temporary", "remove_leftovers", "free_bytes", "fsync_dir", "temp_folder",
-           "commit_folder", "write_in_place", "write_json", "write_npy", "write_npz", "write_image",
+           "checksum_file", "is_temporary", "remove_leftovers", "process_running", "free_bytes",
+           "fsync_dir", "temp_folder", "commit_folder", "write_in_place", "write_json", "write_npy", "write_npz", "write_image",
            "TEMP_SUFFIX", "FOLDER_SUFFIX", "OLD_SUFFIX",
            "TEST_READ_ONLY_ENV"]
 
@@ -64,18 +64,20 @@ def remove_leftovers(path):
     for entry in entries:
         pid = entry[len(name) + 1:-len(TEMP_SUFFIX)]
         if (entry.startswith(name + ".") and is_temporary(entry) and pid.isdigit()
-                and not _running(int(pid))):
+                and not process_running(pid)):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(folder, entry))
 
 
-def _running(pid):
+def process_running(pid):
+    """Whether process `pid` runs on this machine; True when that cannot be told (another
+    user's process, or `pid` is not a number)."""
     try:
-        os.kill(pid, 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except OSError:  # another user's
-        pass
+    except (OSError, ValueError, TypeError):
+        return True
     return True
 
 

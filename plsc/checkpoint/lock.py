@@ -33,7 +33,7 @@ import weakref
 
 from .. import distributed as pd
 from ..process.exits import IN_USE_EXIT_CODE, IO_ERROR_EXIT_CODE
-from ..fileio import atomic_write, write_in_place
+from ..fileio import atomic_write, process_running, write_in_place
 from .layout import LOCK_FILE
 from .manager import _exchange
 
@@ -168,20 +168,10 @@ def _describe_holder(fd):
         return "holder unknown: its lock file names none yet (it is starting)"
     if h.get("command"):
         text += f": {h['command']}"
-    if h["host"] == socket.gethostname() and not _alive(h["pid"]):
+    if h["host"] == socket.gethostname() and not process_running(h["pid"]):
         text += (f"; pid {h['pid']} is not running on this machine: a process it started "
                  "may still hold the lock")
     return text
-
-
-def _alive(pid):
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, ValueError, TypeError):
-        return True
-    return True
 
 
 def _not_writable(label, folder, err):
