@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from processes import alive
+
 _CASES = """
 import json, multiprocessing, os, signal, time
 from plsc.data import WorkerDied
@@ -86,14 +88,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_workers_of_a_killed_main_process_end_by_themselves(tmp_path):
     out = tmp_path / "pids"
     with open(out, "w") as f:  # a file, not a pipe: live workers would hold the pipe open
@@ -101,9 +95,9 @@ def test_workers_of_a_killed_main_process_end_by_themselves(tmp_path):
     pids = [int(p) for p in out.read_text().split()]
     assert code == -9 and len(pids) == 2, out.read_text()
     deadline = time.monotonic() + 10
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
+    while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [p for p in pids if _alive(p)]
-    for pid in alive:
+    left = [p for p in pids if alive(p)]
+    for pid in left:
         os.kill(pid, 9)
-    assert alive == []
+    assert left == []

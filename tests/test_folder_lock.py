@@ -27,6 +27,7 @@ from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, claim_folder
 from plsc.config import dump_config
 from plsc.fileio import TEST_READ_ONLY_ENV
 from plsc.train import Trainer
+from processes import alive, children
 from trainer_common import config, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -135,29 +136,6 @@ class Reader:
     @property
     def text(self):
         return "".join(self.lines)
-
-
-def children(pid):
-    """The pids whose parent is `pid` (from /proc)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(name))
-    return found
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------ the lock itself

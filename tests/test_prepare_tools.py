@@ -4,14 +4,17 @@ back equal by plsc's reader and by a transcription of insightface's, bad lines n
 import filecmp
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import cv2
 import numpy as np
 import pytest
 
 import scripts
+from processes import children, in_group
 from plsc.data import irheader
 from plsc.data.align import align_face
 from plsc.data.recordio import RecordIOReader
@@ -157,34 +160,9 @@ def test_make_verification_bin_bad_pairs_line_is_one_line_and_65(faces, tmp_path
     assert usage.returncode == 2
 
 
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
-
-
-def _group_alive(pgid):
-    alive = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if fields[0] != "Z" and int(fields[3]) == pgid:
-            alive.append(int(entry))
-    return alive
-
-
-@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
-                    reason="needs Linux's /proc/PID/task/TID/children")
 def test_pack_rec_stopped_with_its_workers_ends_with_75_and_the_next_run_cleans_up(tmp_path):
     """SIGTERM to the process group while its two workers encode: one line, status 75, every
     process gone, only temporary files written; the next run removes them and packs."""
-    import signal
-    import time
     rng = np.random.default_rng(1)
     for ident in range(20):
         os.makedirs(tmp_path / "imgs" / f"{ident:02d}")
@@ -196,9 +174,9 @@ def test_pack_rec_stopped_with_its_workers_ends_with_75_and_the_next_run_cleans_
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+    while len(children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert len(workers) == 2 and proc.returncode == 75, (workers, err)
@@ -206,9 +184,9 @@ def test_pack_rec_stopped_with_its_workers_ends_with_75_and_the_next_run_cleans_
                                             "run the same command again"), err
     assert "FatalError" not in err and out == ""
     deadline = time.monotonic() + 5
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
+    while in_group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _group_alive(proc.pid) == []
+    assert in_group(proc.pid) == []
     left = sorted(os.listdir(tmp_path / "out"))
     assert left and all(name.endswith(f".{proc.pid}.part") for name in left), left
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

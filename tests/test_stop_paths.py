@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+import processes
 from trainer_common import CLASSES, IMAGE, checkpoint_state, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,16 +87,7 @@ def uninterrupted(tmp_path_factory, data_root, run_ranks):
 
 
 def alive(pids):
-    left = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie has ended
-                left.append(pid)
-    return left
+    return [pid for pid in pids if processes.alive(pid)]
 
 
 @pytest.mark.parametrize("ranks,sig,how,workers,when", CASES,
