@@ -391,12 +391,19 @@ def apply_overrides(raw, overrides):
 def load_config(path, overrides=()):
     """Read a YAML config, apply `-o` overrides, validate. Returns a nested dict."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist" if not os.path.exists(path) else
+                          f"config file {path} is a folder, expected a YAML file")
     with open(path, encoding="utf-8") as f:
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        except UnicodeDecodeError as e:  # an image, a .npy, a .pt given as the config
+            raise ConfigError(f"config file {path} is not a text file (byte {e.start} is not "
+                              "UTF-8), expected a YAML file such as configs/demo.yaml") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} holds a YAML {type(raw).__name__}, expected "
+                          "sections such as 'Global:' and 'Model:'")
     return validate(apply_overrides(raw, overrides), source=path)
 
 

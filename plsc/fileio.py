@@ -17,7 +17,8 @@ One file is written in place instead: a lock file (`write_in_place`), whose lock
 the file itself and would be lost by a rename.
 
 Test hook: with the environment variable `PLSC_TEST_READ_ONLY` set to a folder, opening any
-file under it for writing here fails as on a read-only file system (EROFS).
+file under it for writing here, or committing a file another library wrote there
+(`commit_file`, `atomic_path`), fails as on a read-only file system (EROFS).
 """
 import contextlib
 import errno
@@ -204,6 +205,7 @@ def commit_file(tmp, path):
     """Rename a file another library wrote at `tmp` to `path` the same way (fsync, rename),
     checksummed by reading it back; its `FileRecord`. On failure `tmp` is deleted."""
     try:
+        _refused_for_tests(path)
         record = checksum_file(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:

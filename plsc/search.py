@@ -115,7 +115,10 @@ def load_index(path):
     """The `SearchIndex` saved at `path`; ValueError when it is not one."""
     import ast
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy array given as the index
+            raise ValueError(f"an array of shape {z.shape}, expected an .npz that 'build' wrote")
+        with z:
             kind, ids, normalize = str(z["kind"]), z["ids"], bool(z["normalize"])
             params = dict(ast.literal_eval(str(z["params"])))
             data = z["embeddings"] if kind == "exact" else z["faiss"]

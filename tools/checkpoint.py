@@ -19,21 +19,19 @@ writes: refused (exit status 73) while a training job uses that folder.
 import argparse
 import sys
 
-from plsc.checkpoint import CheckpointDamaged, read_meta, verify_checkpoint
-from plsc.cli import run_tool
-from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from plsc.checkpoint import read_meta, verify_checkpoint
+from plsc.cli import report_mistake, run_tool
 
 
 def verify(a):
     try:
         read_meta(a.checkpoint)
         verify_checkpoint(a.checkpoint, a.level)
-    except CheckpointDamaged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return DATA_ERROR_EXIT_CODE
-    except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE
+    except Exception as err:  # a damaged file 65, a missing folder 2
+        code = report_mistake(err)
+        if code is None:
+            raise
+        return code
     print(f"OK {a.checkpoint}")
     return 0
 

@@ -24,7 +24,7 @@ vit_l_dp005_mask_005, vit_h. Exit status: 0, 2 for a bad argument or weights tha
 import argparse
 import sys
 
-from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
+from plsc.cli import positive_int, report_mistake
 
 
 def main(argv=None):
@@ -38,7 +38,7 @@ def main(argv=None):
     p.add_argument("--model", help="the backbone (required with --to-plsc and a .pdparams; a "
                    "checkpoint's meta.json names its own)")
     p.add_argument("--output", required=True, help="file to write (.pdparams / .pt)")
-    p.add_argument("--input-size", type=int, nargs="+", metavar="N",
+    p.add_argument("--input-size", type=positive_int, nargs="+", metavar="N",
                    help="image height [width] the model is built for (default 112, or the "
                    "checkpoint's Data.image_size)")
     p.add_argument("--verify", choices=("full", "size", "none"), default="full",
@@ -49,7 +49,6 @@ def main(argv=None):
     if a.to_plsc and not a.model:
         p.error("--to-plsc needs --model (e.g. r50, mbf, vit_t)")
 
-    from plsc.checkpoint import CheckpointDamaged
     from plsc.apps.weights import insightface_to_pdparams, plsc_to_insightface_file
     try:
         if a.to_plsc:
@@ -57,12 +56,11 @@ def main(argv=None):
         else:
             lines = plsc_to_insightface_file(a.to_insightface, a.output, a.model, a.input_size,
                                              a.verify)
-    except CheckpointDamaged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return DATA_ERROR_EXIT_CODE
-    except (FileNotFoundError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE
+    except Exception as err:  # a damaged checkpoint 65, weights that do not fit 2, ...
+        code = report_mistake(err, expected=(ValueError, TypeError))
+        if code is None:
+            raise
+        return code
     print("\n".join(lines))
     return 0
 

@@ -7,7 +7,7 @@
 """
 import sys
 
-from plsc.cli import config_parser, run_tool
+from plsc.cli import FAR, config_parser, positive_int, run_tool
 
 
 def evaluate(cfg, args):
@@ -27,11 +27,11 @@ def main(argv=None):
     parser.add_argument("--labels", metavar="L.npy",
                         help="[N] identity labels (default: <E stem>_labels.npy, as tools/extract.py "
                              "writes them)")
-    parser.add_argument("--far", type=float, action="append",
+    parser.add_argument("--far", type=FAR, action="append",
                         help="a target FAR (repeatable; default 1e-4 1e-5 1e-6 1e-7)")
     parser.add_argument("--no-normalize", action="store_true",
                         help="score raw dot products (default: cosine of L2-normalised embeddings)")
-    parser.add_argument("--block-mb", type=int, default=64, help="score block budget in MB (default 64)")
+    parser.add_argument("--block-mb", type=positive_int, default=64, help="score block budget in MB (default 64)")
     args = parser.parse_args(argv)
     return run_tool(args, evaluate, args)
 

@@ -8,7 +8,7 @@ for a probe set (FaceScrub layout) against a distractor set, from images or embe
 """
 import sys
 
-from plsc.cli import add_onnx_options, config_parser, run_tool
+from plsc.cli import FAR, add_onnx_options, config_parser, positive_int, run_tool
 
 
 def evaluate(cfg, args):
@@ -34,10 +34,10 @@ def main(argv=None):
                              "(paths <stem>_paths.txt for a noise list)")
     parser.add_argument("--probe-noise", metavar="FILE", help="probe images to drop, one path a line")
     parser.add_argument("--distractor-noise", metavar="FILE", help="distractors to drop, one path a line")
-    parser.add_argument("--count", type=int, action="append",
+    parser.add_argument("--count", type=positive_int, action="append",
                         help="a distractor count (repeatable; default 10 100 ... 1000000; all are "
                              "always added)")
-    parser.add_argument("--far", type=float, action="append", help="a target FAR (default 1e-6)")
+    parser.add_argument("--far", type=FAR, action="append", help="a target FAR (default 1e-6)")
     parser.add_argument("--save-embeddings", metavar="STEM",
                         help="write STEM_probes.npy (+ _labels.npy, _paths.txt) and "
                              "STEM_distractors.npy (+ _paths.txt), noise dropped")

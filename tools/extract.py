@@ -5,7 +5,7 @@
 """
 import sys
 
-from plsc.cli import add_onnx_options, config_parser, run_tool
+from plsc.cli import add_onnx_options, config_parser, positive_int, run_tool
 
 
 def extract(cfg, args):
@@ -21,7 +21,7 @@ def main(argv=None):
                         help="folder with train.rec/train.idx, image folder, or list file")
     parser.add_argument("--output", required=True, help="embeddings .npy (labels: <stem>_labels.npy)")
     parser.add_argument("--flip", action="store_true", help="add the embedding of the horizontal flip")
-    parser.add_argument("--batch-size", type=int, help="default: Eval.batch_size")
+    parser.add_argument("--batch-size", type=positive_int, help="default: Eval.batch_size")
     add_onnx_options(parser)
     args = parser.parse_args(argv)
     return run_tool(args, extract, args)

@@ -20,7 +20,7 @@ from plsc.process import startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
-from plsc.cli import report_summary  # noqa: E402
+from plsc.cli import JPEG_QUALITY, positive_int, report_summary  # noqa: E402
 from plsc.data.errors import DataError  # noqa: E402
 from plsc.data.prepare import aligned_jpeg, read_bytes, read_landmark_list, read_pairs  # noqa: E402
 from plsc.data.transforms import decode_image  # noqa: E402
@@ -61,10 +61,10 @@ def main(argv=None):
     parser.add_argument("--output", required=True, help="the .bin to write")
     parser.add_argument("--root", default=None, help="folder the image paths are relative to")
     parser.add_argument("--landmarks", default=None, help="'path x1 y1 ... x5 y5' lines: align the faces")
-    parser.add_argument("--image-size", type=int, default=112, help="aligned crop size (with --landmarks)")
-    parser.add_argument("--quality", type=int, default=95, help="JPEG quality of aligned faces")
+    parser.add_argument("--image-size", type=positive_int, default=112, help="aligned crop size (with --landmarks)")
+    parser.add_argument("--quality", type=JPEG_QUALITY, default=95, help="JPEG quality of aligned faces")
     args = parser.parse_args(argv)
-    return report_summary("make_verification_bin", lambda: make(
+    return report_summary(lambda: make(
         args.pairs, args.output, args.root, args.landmarks, args.image_size, args.quality))
 
 

@@ -25,7 +25,7 @@ from plsc.process import startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
-from plsc.cli import report_summary  # noqa: E402
+from plsc.cli import JPEG_QUALITY, positive_int, report_summary  # noqa: E402
 from plsc.data.errors import DataError  # noqa: E402
 from plsc.data.pool import in_order  # noqa: E402
 from plsc.data.prepare import aligned_or_error, read_landmark_list, resized_jpeg  # noqa: E402
@@ -119,22 +119,22 @@ def main(argv=None):
     source.add_argument("--landmarks", help="list of 'path label x1 y1 ... x5 y5' lines, replacing --input: "
                         "each face aligned (plsc.data.align) to --image-size (default 112)")
     parser.add_argument("--output", required=True, help="folder to write train.rec, train.idx and property into")
-    parser.add_argument("--image-size", type=int, default=None, help="resize to this square size and re-encode")
-    parser.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding")
+    parser.add_argument("--image-size", type=positive_int, default=None, help="resize to this square size and re-encode")
+    parser.add_argument("--quality", type=JPEG_QUALITY, default=95, help="JPEG quality when re-encoding")
     parser.add_argument("--no-header", action="store_true", help="im2rec layout: no header record, keys from 0")
     parser.add_argument("--skip-bad", action="store_true", help="leave out undecodable images instead of failing")
     parser.add_argument("--no-verify", action="store_true", help="do not decode images to check them")
     parser.add_argument("--list-root", default=None, help="folder that list-file paths are relative to")
     parser.add_argument("--prefix", default="train", help="file name stem of the .rec and .idx")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=positive_int, default=1,
                         help="processes encoding images (output byte-identical to 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.landmarks:
-        return report_summary("pack_rec", lambda: pack_aligned(
+        return report_summary(lambda: pack_aligned(
             args.landmarks, args.output, args.image_size or 112, args.quality, not args.no_header,
             args.skip_bad, args.list_root, args.prefix, args.workers))
-    return report_summary("pack_rec", lambda: pack(
+    return report_summary(lambda: pack(
         args.input, args.output, args.image_size, args.quality, not args.no_header, args.skip_bad,
         not args.no_verify, args.list_root, args.prefix, args.workers))
 

@@ -16,7 +16,7 @@ from plsc.process import startup
 
 startup.hold()
 
-from plsc.cli import run_tool  # noqa: E402
+from plsc.cli import positive_int, run_tool  # noqa: E402
 
 EXAMPLES = __doc__.split("\n\n")[1]
 
@@ -32,7 +32,7 @@ def parser():
     p.add_argument("-c", "--config", required=True, help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable), e.g. -o Loss.num_classes=2000000")
-    p.add_argument("--ranks", type=int, default=None,
+    p.add_argument("--ranks", type=positive_int, default=None,
                    help="ranks of the run (default: 2 on cpu, 8 on a GPU profile)")
     p.add_argument("--device", default="cpu",
                    choices=("cpu", "v100-32gb", "a100-80gb", "h100-80gb"),

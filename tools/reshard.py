@@ -24,11 +24,11 @@ convert too).
 import argparse
 import sys
 
-from plsc.checkpoint import (CheckpointDamaged, convert_checkpoint, export_classifier,
-                             import_classifier, read_meta, reshard_checkpoint, verify_checkpoint)
-from plsc.checkpoint.lock import FolderInUse, FolderNotWritable, lock_folder, run_folder_of
+from plsc.checkpoint import (convert_checkpoint, export_classifier, import_classifier, read_meta,
+                             reshard_checkpoint, verify_checkpoint)
+from plsc.checkpoint.lock import lock_folder, run_folder_of
+from plsc.cli import positive_int, report_mistake
 from plsc.dtypes import FLOAT_DTYPES
-from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE
 
 
 def main(argv=None):
@@ -36,7 +36,7 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint folder (…/checkpoints/step_XXXXXXXX)")
-    p.add_argument("--world-size", type=int, help="re-shard the head for this many ranks")
+    p.add_argument("--world-size", type=positive_int, help="re-shard the head for this many ranks")
     p.add_argument("--export", metavar="NPY", help="write head array --array of all classes "
                    "here (bfloat16, 8- and 4-bit arrays as float32, float16/float32 as stored)")
     p.add_argument("--array", default="weight",
@@ -77,15 +77,11 @@ def main(argv=None):
         else:
             import_classifier(a.checkpoint, a.output, a.import_, a.import_bias)
             print(f"wrote {a.output} with the classifier from {a.import_}")
-    except CheckpointDamaged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return DATA_ERROR_EXIT_CODE
-    except (FolderInUse, FolderNotWritable) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE
+    except Exception as err:  # a damaged checkpoint 65, a folder in use 73, a bad argument 2, ...
+        code = report_mistake(err, expected=(KeyError, ValueError))
+        if code is None:
+            raise
+        return code
     finally:
         if lock is not None:
             lock.release()

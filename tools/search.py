@@ -10,7 +10,7 @@ report the overlap of a training and a test set.
 """
 import sys
 
-from plsc.cli import config_parser, run_tool
+from plsc.cli import FAR, config_parser, positive_int, run_tool
 
 
 def task(cfg, args):
@@ -40,24 +40,24 @@ def main(argv=None):
     b.add_argument("--index", required=True, metavar="FILE", help="the index file to write (.npz)")
     b.add_argument("--kind", choices=("exact", "ivf", "hnsw"), default="exact",
                    help="exact (blocked GEMM, default) or a faiss-cpu index (pip install faiss-cpu)")
-    b.add_argument("--nlist", type=int, help="ivf: inverted lists (default about 4 sqrt(N))")
-    b.add_argument("--nprobe", type=int, default=16, help="ivf: lists searched (default 16)")
-    b.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node (default 32)")
-    b.add_argument("--ef-search", type=int, default=64, help="hnsw: candidates searched (default 64)")
+    b.add_argument("--nlist", type=positive_int, help="ivf: inverted lists (default about 4 sqrt(N))")
+    b.add_argument("--nprobe", type=positive_int, default=16, help="ivf: lists searched (default 16)")
+    b.add_argument("--hnsw-m", type=positive_int, default=32, help="hnsw: links per node (default 32)")
+    b.add_argument("--ef-search", type=positive_int, default=64, help="hnsw: candidates searched (default 64)")
     b.add_argument("--no-normalize", action="store_true", help="raw dot products instead of cosines")
     t = sub.add_parser("threshold", help="the open-set threshold at a target FPIR")
     t.add_argument("--index", required=True, metavar="FILE")
     t.add_argument("--nonmated", required=True, metavar="N.npy",
                    help="held-out queries of people not in the gallery")
-    t.add_argument("--fpir", type=float, required=True, help="target false positive identification rate")
+    t.add_argument("--fpir", type=FAR, required=True, help="target false positive identification rate")
     q = sub.add_parser("query", help="each query's top-k to an .npz (scores, rows, ids, accepted)")
     q.add_argument("--index", required=True, metavar="FILE")
     q.add_argument("--queries", required=True, metavar="Q.npy")
-    q.add_argument("-k", type=int, default=10, help="results per query (default 10)")
+    q.add_argument("-k", type=positive_int, default=10, help="results per query (default 10)")
     q.add_argument("--output", required=True, metavar="OUT.npz")
     q.add_argument("--threshold", type=float, help="mark queries whose top score is above it")
     q.add_argument("--nonmated", metavar="N.npy", help="choose the threshold from these at --fpir")
-    q.add_argument("--fpir", type=float, default=0.01, help="with --nonmated (default 0.01)")
+    q.add_argument("--fpir", type=FAR, default=0.01, help="with --nonmated (default 0.01)")
     o = sub.add_parser("overlap", help="identities a training set shares with a test set")
     o.add_argument("--train-names", metavar="DIR|FILE", help="identity folders, or one name a line")
     o.add_argument("--test-names", metavar="DIR|FILE")

@@ -14,7 +14,7 @@ import paddle
 from . import facerec, irheader
 from .errors import DataError
 from .recordio import _MAX_LEN, MAGIC, WHOLE, RecordIOReader
-from .sources import read_image_list, scan_image_folder
+from .sources import read_image_list, scan_image_folder, text_lines
 from .transforms import FaceTransform
 
 __all__ = ["RecordIODataset", "ImageFolderDataset", "ImageListDataset", "ImagePathsDataset"]
@@ -208,11 +208,8 @@ class ImagePathsDataset(_FileListDataset):
         list_path = os.fspath(list_path)
         root = os.path.dirname(os.path.abspath(list_path)) if root is None else os.fspath(root)
         paths, lines = [], []
-        with open(list_path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    paths.append(os.path.join(root, line))
-                    lines.append(number)
+        for number, line in text_lines(list_path, "list of image paths"):
+            paths.append(os.path.join(root, line))
+            lines.append(number)
         super().__init__(paths, [0] * len(paths), lambda i: f"{list_path}:{lines[i]}", image_size, train,
                          transform, None, False, mean, std)

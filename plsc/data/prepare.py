@@ -9,6 +9,7 @@ import numpy as np
 
 from .align import align_face
 from .errors import DataError
+from .sources import text_lines
 from .transforms import decode_image
 
 __all__ = ["read_landmark_list", "read_pairs", "aligned_jpeg", "aligned_or_error", "resized_jpeg",
@@ -17,14 +18,9 @@ __all__ = ["read_landmark_list", "read_pairs", "aligned_jpeg", "aligned_or_error
 LANDMARK_FIELDS = "path label x1 y1 x2 y2 x3 y3 x4 y4 x5 y5"
 
 
-def _lines(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip() and not line.lstrip().startswith("#"):
-                    yield number, line.split()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: cannot read: {err}") from None
+def _lines(path, what):
+    for number, line in text_lines(path, what):
+        yield number, line.split()
 
 
 def _resolve(root, name):
@@ -38,7 +34,7 @@ def read_landmark_list(path, root=None, labels=True):
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
     want = 12 if labels else 11
     paths, labs, points = [], [], []
-    for number, fields in _lines(path):
+    for number, fields in _lines(path, "landmark list"):
         if len(fields) != want:
             raise DataError(f"{path}:{number}: expected {want} fields "
                             f"'{LANDMARK_FIELDS if labels else 'path x1 y1 ... x5 y5'}', got {len(fields)}")
@@ -62,7 +58,7 @@ def read_pairs(path, root=None):
     relative to `root` (default: the list's folder)."""
     root = os.path.dirname(os.path.abspath(path)) if root is None else root
     pairs = []
-    for number, fields in _lines(path):
+    for number, fields in _lines(path, "pairs list"):
         try:
             if len(fields) == 3 and not fields[1].isdigit():  # path1 path2 same
                 same = {"1": True, "0": False, "true": True, "false": False}[fields[2].lower()]

@@ -87,8 +87,11 @@ def generate(out_dir, image_size=56, num_identities=1000, images_per_identity=16
     (half same, half different, shuffled) come from `num_val_identities`
     further identities never seen in training. Returns a summary dict.
     """
-    if num_val_identities < 2 or num_pairs < 2:
-        raise ValueError("need at least 2 held-out identities and 2 pairs")
+    for name, value, least in (("image_size", image_size, 1), ("num_identities", num_identities, 1),
+                               ("images_per_identity", images_per_identity, 1),
+                               ("num_val_identities", num_val_identities, 2), ("num_pairs", num_pairs, 2)):
+        if value < least:
+            raise ValueError(f"synthetic data: {name} must be at least {least}, got {value}")
     rng = np.random.default_rng(seed)
     template = make_template(rng, image_size)
     protos = [make_prototype(rng, image_size, template) for _ in range(num_identities + num_val_identities)]
