@@ -246,7 +246,7 @@ class Entry:
     def predict(self, images, batch_size=None, flip=False):
         """Embeddings of images: HWC uint8 RGB arrays (a list or an [N, H, W, 3] array) or
         paths of image files, transformed as in evaluation."""
-        from .data import FaceTransform
+        from .data import DataError, FaceTransform
         from .apps import trained_backbone
         from .embedding import embed
         cfg = self._trained_config()
@@ -258,8 +258,12 @@ class Entry:
         arrays = []
         for item in images:
             if isinstance(item, str):
-                with open(item, "rb") as f:
-                    arrays.append(transform(f.read()))
+                with open(item, "rb") as f:  # a missing file: FileNotFoundError naming it
+                    buf = f.read()
+                try:
+                    arrays.append(transform(buf))
+                except DataError as err:  # not an image: name the file
+                    raise DataError(f"{item}: {err}") from None
             else:
                 arrays.append(transform.apply(np.asarray(item, dtype=np.uint8)))
         return embed(model, np.stack(arrays), batch_size or cfg["Eval"]["batch_size"], flip)

@@ -228,3 +228,58 @@ def test_a_mistake_is_one_line_and_a_documented_status(files, tool, line, status
     errors = [ln for ln in text.splitlines() if ERROR_LINE.match(ln)]
     assert "Traceback" not in text, text
     assert got == status and len(errors) == 1 and word in errors[0], (got, text)
+
+
+def entry(f, **globals_):
+    """An Entry over the fixture's config (its weights as Global.pretrained)."""
+    from plsc import Entry
+    with open(f["cfg"], encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    raw["Global"].update({"pretrained": f["w"]}, **globals_)
+    return Entry(raw)
+
+
+# (what, the call on the fixture's files `f` and a scratch folder `t`, the exception, a word its
+# message must contain). Entry's setters raise ValueError naming their argument.
+ENTRY_ROWS = [
+    ("set_class_num(0)", lambda f, t: entry(f).set_class_num(0), ValueError, "class_num"),
+    ("set_image_size(-5)", lambda f, t: entry(f).set_image_size(-5), ValueError, "image_size"),
+    ("set_train_batch_size(0)", lambda f, t: entry(f).set_train_batch_size(0), ValueError,
+     "train_batch_size"),
+    ("set_sample_ratio(1.5)", lambda f, t: entry(f).set_sample_ratio(1.5), ValueError, "sample_ratio"),
+    ("set_lr(-1)", lambda f, t: entry(f).set_lr(-1), ValueError, "lr"),
+    ("set_model_name(IResNet51)", lambda f, t: entry(f).set_model_name("IResNet51"), ValueError,
+     "IResNet50"),
+    ("set_checkpoint_dir(missing)", lambda f, t: entry(f).set_checkpoint_dir(f["missing"]), ValueError,
+     "checkpoint_dir"),
+    ("from_config(jpg)", lambda f, t: type(entry(f)).from_config(f["jpg"]), "ConfigError", "face.jpg"),
+    ("from_config(missing)", lambda f, t: type(entry(f)).from_config(f["missing"]), "ConfigError", "missing"),
+    ("train(): dataset_dir missing", lambda f, t: entry(f).set_dataset_dir(f["missing"]).train(),
+     "ConfigError", "missing"),
+    ("train(): dataset_dir empty", lambda f, t: entry(f).set_dataset_dir(f["empty"]).train(),
+     "ConfigError", "empty"),
+    ("train(): output read-only", lambda f, t: entry(f).set_model_save_dir(t["ro"]).train(),
+     "FolderNotWritable", "ro"),
+    ("test(): no checkpoint", lambda f, t: entry(f, pretrained=None, checkpoint="latest").test(),
+     FileNotFoundError, "checkpoint"),
+    ("convert_for_prediction(read-only)",
+     lambda f, t: entry(f).convert_for_prediction(os.path.join(t["ro"], "export"), onnx=False), OSError, "ro"),
+    ("predict(missing image)", lambda f, t: entry(f).predict([f["missing"]]), FileNotFoundError, "missing"),
+    ("predict(a .npy)", lambda f, t: entry(f).predict([f["npy"]]), "DataError", "x.npy"),
+]
+
+
+@pytest.mark.parametrize("what,call,kind,word", ENTRY_ROWS, ids=[r[0] for r in ENTRY_ROWS])
+def test_an_entry_mistake_is_one_exception_naming_it(files, what, call, kind, word, monkeypatch, tmp_path):
+    from plsc.checkpoint.lock import FolderNotWritable
+    from plsc.config import ConfigError
+    from plsc.data import DataError
+    kind = {"ConfigError": ConfigError, "DataError": DataError,
+            "FolderNotWritable": FolderNotWritable}.get(kind, kind)
+    scratch = {"ro": str(tmp_path / "ro")}
+    os.makedirs(scratch["ro"])
+    monkeypatch.setenv("PLSC_TEST_READ_ONLY", scratch["ro"])
+    with pytest.raises(kind) as caught:
+        call(files, scratch)
+    message = str(caught.value)
+    assert word in message and "\n" not in message.strip(), message
