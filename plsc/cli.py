@@ -145,8 +145,9 @@ def report_summary(make):
     """For a file-preparing tool without a config: call `make()`, print its summary (a dict) as
     one JSON line and give 0; a mistake (`mistake`: a bad input line or file, a missing input,
     an output that cannot be written) prints one line and gives its code. A SIGTERM or SIGINT
-    meanwhile ends it with one line and 75 (`plsc.process.startup`; the tool holds them from its first line): its workers end
-    with it, and what it was writing stays a temporary file that the next run removes."""
+    meanwhile ends it with one line and 75 (`plsc.process.startup`; the tool holds them from
+    its first line): its workers end with it, and what it was writing stays a temporary file
+    that the next run removes."""
     startup.hold()
     startup.guard()
     try:
