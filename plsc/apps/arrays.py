@@ -13,6 +13,11 @@ __all__ = ["load_embeddings", "load_labels", "write_json", "write_npy"]
 def _load(path, what):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if head != b"\x93NUMPY":  # an image, a text file, an .npz given by mistake
+        raise DataError(f"{path}: not a .npy array (it starts with {head!r}, a .npy with "
+                        "b'\\x93NUMPY')")
     try:
         return np.load(path, allow_pickle=False)
     except (ValueError, OSError) as err:

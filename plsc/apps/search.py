@@ -51,7 +51,10 @@ def build(cfg, embeddings, index_path, ids=None, kind="exact", normalize=True, n
 def _open(index_path):
     if not os.path.isfile(index_path):
         raise FileNotFoundError(f"index file {index_path} does not exist")
-    return _data_errors(lambda: load_index(index_path), index_path)
+    try:
+        return load_index(index_path)
+    except ValueError as err:  # its message names the file
+        raise DataError(str(err)) from None
 
 
 def threshold(cfg, index_path, nonmated, fpir, out=None):
