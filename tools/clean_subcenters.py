@@ -17,7 +17,7 @@ See plsc/apps/cleaning.py for the details.
 """
 import sys
 
-from plsc.cli import config_parser, in_range, run_tool
+from plsc.cli import config_parser, run_tool
 
 
 def clean(cfg, checkpoint, threshold, out_dir, write_rec):
@@ -45,7 +45,7 @@ def main(argv=None):
                            override_example="-o Data.num_workers=4")
     parser.add_argument("--checkpoint", default=None,
                         help="a checkpoint folder or 'latest' (default: Global.checkpoint, else latest)")
-    parser.add_argument("--threshold", type=in_range(float, 0, 180, True, True, "an angle in degrees in (0, 180)"), default=75.0,
+    parser.add_argument("--threshold", type=float, default=75.0,
                         help="keep samples at most this angle (degrees, in (0, 180)) from their "
                              "class's dominant centre (default 75)")
     parser.add_argument("--out", default=None, help="output folder (default <Global.output_dir>/cleaned)")

@@ -7,10 +7,12 @@ import numpy as np
 from ..data import DataError
 from ..fileio import write_json, write_npy  # noqa: F401 (re-exported)
 
-__all__ = ["load_embeddings", "load_labels", "write_json", "write_npy"]
+__all__ = ["load_npy", "load_embeddings", "load_labels", "write_json", "write_npy"]
 
 
-def _load(path, what):
+def load_npy(path, what):
+    """The array in the .npy file `path`: FileNotFoundError naming it as `what` when it is
+    missing, DataError when it is not a .npy (an image, a text file, an .npz)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} file {path} does not exist")
     with open(path, "rb") as f:
@@ -27,7 +29,7 @@ def _load(path, what):
 def load_embeddings(path, rows=None, what="embeddings"):
     """[N, d] float32 embeddings from `path` (.npy); DataError when they are not [N, d] finite
     numbers or (with `rows`) N differs from `rows`."""
-    x = _load(path, what)
+    x = load_npy(path, what)
     if x.ndim != 2 or not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise DataError(f"{path}: {what} of shape {x.shape} ({x.dtype}), expected [N, d] numbers")
     if rows is not None and len(x) != rows:
@@ -40,7 +42,7 @@ def load_embeddings(path, rows=None, what="embeddings"):
 
 def load_labels(path, rows):
     """[rows] labels (integers or strings) from `path` (.npy); DataError when the count differs."""
-    y = _load(path, "labels")
+    y = load_npy(path, "labels")
     if y.ndim > 1:
         raise DataError(f"{path}: labels of shape {y.shape}, expected a 1-D array")
     y = y.reshape(-1)

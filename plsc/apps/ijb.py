@@ -19,6 +19,7 @@ from ..embedding import embedding_size, gather_shares, rank_share, share_batches
 from ..fileio import write_json, write_npy
 from ..process import runtime
 from ..process.progress import progress as draw_progress, show_progress
+from .arrays import load_npy
 from .tasks import evaluation_model
 
 __all__ = ["extract_ijb_features", "load_ijb_features", "save_ijb_features", "ijb_features",
@@ -56,12 +57,7 @@ def extract_ijb_features(model, meta, image_size, batch_size, num_workers=0, pro
 
 def load_ijb_features(path, meta):
     """Features saved by `save_ijb_features` ([N, d] float32, N = the images of `meta`)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"features file {path} does not exist")
-    try:
-        feats = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as err:
-        raise DataError(f"{path}: not a .npy array ({err})") from None
+    feats = load_npy(path, "features")
     if feats.ndim != 2 or len(feats) != meta.num_images or not np.issubdtype(feats.dtype, np.floating):
         raise DataError(f"{path}: features of shape {feats.shape} ({feats.dtype}), expected "
                         f"[{meta.num_images}, d] floats: one row per line of "
