@@ -62,6 +62,16 @@ def files(tmp_path_factory):
     (tmp / "pairs.txt").write_text(f"{jpg} {jpg} 1\n")
     (tmp / "list.yaml").write_text("- a\n- b\n")
     os.makedirs(tmp / "empty")
+    jpeg = open(jpg, "rb").read()
+    # an image where a .rec, a property file or a verification pack belongs
+    for folder, files_ in (("badrec", {"train.rec": jpeg, "train.idx": b"0\t0\n1\t100\n",
+                                       "property": b"4,16,16\n"}),
+                           ("badprop", {"property": jpeg, **{name: open(os.path.join(data, name), "rb").read()
+                                                             for name in ("train.rec", "train.idx")}}),
+                           ("badbin", {"val.bin": jpeg})):
+        os.makedirs(tmp / folder)
+        for name, content in files_.items():
+            (tmp / folder / name).write_bytes(content)
     raw = {"Global": {"seed": 0, "output_dir": str(tmp / "run"), "device": "cpu", "checkpoint": None},
            "Model": {"name": "IResNetTiny", "embedding_size": 16},
            "Loss": {"margin": "cosface", "scale": 16.0, "m3": 0.2, "num_classes": 4},
@@ -78,6 +88,7 @@ def files(tmp_path_factory):
             "jpg": jpg, "npy": str(tmp / "x.npy"), "pt": str(tmp / "w.pt"), "faces": str(tmp / "faces"),
             "pairs": str(tmp / "pairs.txt"), "listyaml": str(tmp / "list.yaml"),
             "empty": str(tmp / "empty"), "missing": str(tmp / "missing"), "ro": str(tmp / "ro"),
+            **{name: str(tmp / name) for name in ("badrec", "badprop", "badbin")},
             "out": str(tmp / "out")}
 
 
@@ -110,6 +121,7 @@ ROWS = [
     ("eval", "-c {cfg} -o Global.pretrained={jpg}", 65, "face.jpg", ""),
     ("eval", "-c {cfg} -o Global.checkpoint={empty}", 2, "empty", ""),
     ("eval", "-c {cfg} " + W + " -o Eval.root={empty}", 2, "val", ""),
+    ("eval", "-c {cfg} " + W + " -o Eval.root={badbin}", 65, "val.bin", ""),
     ("eval_allpairs", "-c {cfg} --embeddings {missing}", 2, "missing", ""),
     ("eval_allpairs", "-c {cfg} --embeddings {jpg}", 65, "face.jpg", ""),
     ("eval_allpairs", "-c {cfg} --embeddings {npy} --far 2", 2, "--far", ""),
@@ -129,6 +141,8 @@ ROWS = [
     ("extract", "-c {cfg} " + W + " --input {jpg} --output {out}.npy", 65, "face.jpg", "proc"),
     ("extract", "-c {cfg} " + W + " --input {missing} --output {out}.npy", 2, "missing", ""),
     ("extract", "-c {cfg} " + W + " --input {empty} --output {out}.npy", 65, "empty", ""),
+    ("extract", "-c {cfg} " + W + " --input {badrec} --output {out}.npy", 65, "train.rec", ""),
+    ("extract", "-c {cfg} " + W + " --input {badprop} --output {out}.npy", 65, "property", ""),
     ("extract", "-c {cfg} " + W + " --input {faces} --output {out}.npy --batch-size 0", 2, "--batch-size",
      ""),
     ("extract", "-c {cfg} " + W + " --input {faces} --output {ro}/e.npy", 74, "ro", "ro"),
@@ -174,6 +188,7 @@ ROWS = [
     ("train", "-c {empty}", 2, "empty", ""),
     ("train", "-c {listyaml}", 2, "list.yaml", ""),
     ("train", "-c {cfg} -o Data.root={missing}", 2, "missing", ""),
+    ("train", "-c {cfg} -o Data.root={badprop}", 65, "property", ""),
     ("train", "-c {cfg} -o Global.output_dir={ro}", 74, "ro", "ro"),
 ]
 

@@ -20,8 +20,8 @@ __all__ = ["read_property", "write_property", "image_keys", "write_face_rec"]
 
 def read_property(path):
     """``(num_classes, height, width)`` from a ``property`` file."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:
+        text = f.read(4096).decode("utf-8", "replace").strip()  # an image given as one: no crash
     try:
         num_classes, height, width = (int(x) for x in text.split(","))
     except ValueError:
