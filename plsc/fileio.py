@@ -214,7 +214,7 @@ def commit_file(tmp, path):
             os.close(fd)
         os.replace(tmp, path)
     except OSError as err:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         _named(err, path)
         raise
@@ -230,7 +230,7 @@ def atomic_path(path):
     try:
         yield tmp
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
     commit_file(tmp, path)
@@ -258,7 +258,7 @@ def write_npz(path, arrays):
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
     except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(err, OSError):
             err.filename = os.fspath(path)  # not its temporary name
