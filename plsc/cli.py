@@ -18,8 +18,8 @@ from .config import ConfigError, load_config
 from .process.exits import CONFIG_ERROR_EXIT_CODE, DATA_ERROR_EXIT_CODE, IO_ERROR_EXIT_CODE
 
 __all__ = ["config_parser", "add_onnx_options", "run_tool", "report_summary", "mistake",
-           "report_mistake",
-           "positive_int", "positive_float", "in_range", "FAR", "JPEG_QUALITY", "DATA_ERROR_EXIT_CODE"]
+           "report_mistake", "positive_int", "positive_float", "in_range", "FAR", "JPEG_QUALITY",
+           "DATA_ERROR_EXIT_CODE"]
 
 
 def in_range(kind, low, high=None, low_open=False, high_open=False, what=None):
@@ -39,7 +39,6 @@ def in_range(kind, low, high=None, low_open=False, high_open=False, what=None):
                 high is not None and (value > high or (high_open and value == high))):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
-    parse.__name__ = what
     return parse
 
 
@@ -57,8 +56,8 @@ _CANNOT_WRITE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQ
 def mistake(err, expected=()):
     """`(exit code, one line)` for an exception that is a user's mistake, None for a bug (which
     keeps its traceback): DataError (a damaged checkpoint too) 65; FolderInUse 73,
-    FolderNotWritable 74; ConfigError, a missing path or a folder/file given for the other, and
-    the types `expected` 2; any other OSError that names its file (permission, read-only file
+    FolderNotWritable 74; ConfigError, a missing path, a folder given for a file or the reverse,
+    an output that exists, and the types `expected` 2; any other OSError that names its file (permission, read-only file
     system, disk full, I/O error) 74."""
     from .data.errors import DataError  # here: plsc.data imports Paddle, slow for --help
     from .checkpoint.lock import FolderInUse, FolderNotWritable
