@@ -5,14 +5,16 @@ import time
 
 import paddle
 
+from ..config import ConfigError
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..loss.table import margin_kwargs
 from ..optim import SparseAdamW, SparseMomentum
 from ..parts import open_dataset
+from ..suggest import did_you_mean
 
-__all__ = ["build_margin_from_config", "build_train_dataset", "build_backbone_optimizer",
-           "build_head_optimizer"]
+__all__ = ["build_margin_from_config", "build_train_dataset", "class_count_note",
+           "build_backbone_optimizer", "build_head_optimizer"]
 
 
 def build_margin_from_config(loss):
@@ -28,14 +30,20 @@ def _say(line):
 
 
 def build_train_dataset(cfg):
-    """The training dataset of `cfg['Data']`; synthetic data are generated on first use."""
+    """(dataset, note): the training dataset of `cfg['Data']` (synthetic data generated on first
+    use) and a warning line when Loss.num_classes exceeds the data's class count (else None).
+    More classes in the data than Loss.num_classes is a ConfigError naming both, found before
+    synthetic data are generated (`class_count_note`)."""
     d = cfg["Data"]
     kind, root = d["dataset"], d["root"]
     size = tuple(d["image_size"])
     flip = d["random_flip"]
     seed = cfg["Global"]["seed"]
+    num_classes = cfg["Loss"]["num_classes"]
     if kind == "synthetic":
+        identities = _synthetic_classes(d["synthetic"])  # its arguments checked, used or not
         if not os.path.isfile(os.path.join(root, "train.idx")):
+            class_count_note(num_classes, *identities)  # before generating
             if get_rank() == 0:
                 from ..data.synthetic import generate
                 _say(f"plsc: generating the synthetic data set under {root} (first use only)")
@@ -46,12 +54,43 @@ def build_train_dataset(cfg):
                      f"{time.perf_counter() - start:.1f} s")
             barrier()
         kind = "recordio"
-    ds, _ = open_dataset(kind, root, size, train=True, num_classes=cfg["Loss"]["num_classes"],
-                         skip_bad=d["skip_bad"] > 0)
+    ds, _ = open_dataset(kind, root, size, train=True, skip_bad=d["skip_bad"] > 0)
+    note = class_count_note(num_classes, ds.data_classes, f"Data.root {root}: {ds.classes_from}")
+    ds.num_classes = num_classes  # each label is checked against it as it is read
     ds.transform.flip_prob = 0.5 if flip else 0.0
     ds.transform.seed = int(seed)
     ds.transform.output = "uint8"  # normalised on the device by the trainer
-    return ds
+    return ds, note
+
+
+def _synthetic_classes(options):
+    """(identities, where) that `Data.synthetic` asks the generator for; an argument it does
+    not take is a ConfigError with the closest one."""
+    import inspect
+    from ..data.synthetic import generate
+    params = inspect.signature(generate).parameters
+    takes = [name for name in params if name not in ("out_dir", "image_size")]
+    for key in options:
+        if key not in takes:
+            raise ConfigError(f"Data.synthetic: unknown argument {key!r}{did_you_mean(key, takes)}")
+    if "num_identities" in options:
+        return options["num_identities"], "Data.synthetic.num_identities"
+    return params["num_identities"].default, "the synthetic generator's default num_identities"
+
+
+def class_count_note(num_classes, data_classes, where):
+    """Loss.num_classes against the class count the data declare (`where` says how it was
+    read; None: unknown, nothing to compare): more classes in the data is a ConfigError naming
+    both numbers and the -o that fits; fewer gives the warning line returned (else None)."""
+    if data_classes is None or data_classes == num_classes:
+        return None
+    fix = f"-o Loss.num_classes={data_classes}"
+    if data_classes > num_classes:
+        raise ConfigError(f"Loss.num_classes={num_classes} is below the training data's "
+                          f"{data_classes} classes ({where}); set {fix}")
+    return (f"warning: Loss.num_classes={num_classes} but the training data have "
+            f"{data_classes} classes ({where}): {num_classes - data_classes} classes get no "
+            f"samples ({fix} to match)")
 
 
 def build_backbone_optimizer(cfg, params, lr):
