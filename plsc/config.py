@@ -17,8 +17,7 @@ from .dtypes import FLOAT_DTYPES, HEAD_DTYPES, STATE_DTYPES
 from .kernels.names import kernel_set
 from .loss.table import (DEFAULT_MARGIN, MARGIN_KEYS, cosine_options, either, margin_names,
                          margin_row)
-from .models.names import resolve_name
-from .suggest import did_you_mean
+from .names import did_you_mean, resolve_name
 
 __all__ = ["ConfigError", "SCHEMA", "load_config", "parse_override", "apply_overrides",
            "validate", "check_key", "default_config", "dump_config"]

@@ -2,7 +2,7 @@
 (`PLSC_KERNELS`). No Paddle import: the config checks the choice at load."""
 import os
 
-from ..suggest import did_you_mean
+from ..names import did_you_mean
 
 __all__ = ["KERNELS_ENV", "KERNEL_SETS", "kernel_set"]
 

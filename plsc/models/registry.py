@@ -2,7 +2,7 @@
 from .iresnet import OPTIONS as IRESNET_OPTIONS
 from .iresnet import iresnet18, iresnet34, iresnet50, iresnet100, iresnet200, iresnet_tiny
 from .mobilefacenet import MobileFaceNet, mobilefacenet_large
-from .names import ALIASES, MODEL_NAMES, resolve_name
+from ..names import ALIASES, MODEL_NAMES, resolve_name
 from .vit import (VIT_OPTIONS, vit_b, vit_b_dp005_mask005, vit_demo, vit_h, vit_l_dp005_mask005,
                   vit_s, vit_s_dp005_mask0, vit_t, vit_t_dp005_mask0)
 
@@ -14,7 +14,7 @@ _CONSTRUCTORS = {build.__name__: build for build in (
     vit_b_dp005_mask005, vit_l_dp005_mask005, vit_h, vit_demo)}
 
 # Canonical name -> constructor taking keyword arguments; the names and aliases are spelled in
-# `names` (MODEL_NAMES: canonical name -> constructor name), which the config reads.
+# `plsc.names` (MODEL_NAMES: canonical name -> constructor name), which the config reads.
 MODELS = {name: _CONSTRUCTORS[function] for name, function in MODEL_NAMES.items()}
 
 # Constructor settings only some backbones have (the ViTs' `VIT_OPTIONS`, IResNet's recompute):

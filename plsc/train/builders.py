@@ -11,7 +11,7 @@ from ..loss import build_margin
 from ..loss.table import margin_kwargs
 from ..optim import SparseAdamW, SparseMomentum
 from ..parts import open_dataset
-from ..suggest import did_you_mean
+from ..names import did_you_mean
 
 __all__ = ["build_margin_from_config", "build_train_dataset", "class_count_note",
            "build_backbone_optimizer", "build_head_optimizer"]

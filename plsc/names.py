@@ -1,10 +1,15 @@
-"""The backbones' names, the one place they are spelled: each canonical name with its
-constructor's name in `plsc.models` (the registry maps one to the other), and insightface's
-arcface_torch names (`get_model`) as aliases. No Paddle import: the config checks `Model.name`
-at load, before Paddle loads."""
-from ..suggest import did_you_mean
+"""Names a user picks from a list, without Paddle (the config checks them at load, before
+Paddle loads):
 
-__all__ = ["MODEL_NAMES", "ALIASES", "resolve_name"]
+- the backbones' names, the one place they are spelled: each canonical name with its
+  constructor's name in `plsc.models` (its registry maps one to the other), and insightface's
+  arcface_torch names (`get_model`) as aliases; `resolve_name`;
+- the "did you mean" hint of every such name (config keys and sections, model names, choices,
+  kernel sets): `closest`, `did_you_mean`.
+"""
+import difflib
+
+__all__ = ["MODEL_NAMES", "ALIASES", "resolve_name", "closest", "did_you_mean"]
 
 # Canonical name -> the constructor's name.
 MODEL_NAMES = {
@@ -61,3 +66,19 @@ def resolve_name(name):
     hint = did_you_mean(name, _BY_LOWER_NAME, cutoff=0.0, listed=False, shown=_BY_LOWER_NAME)
     raise ValueError(f"unknown model {name!r}{hint} Valid names: {', '.join(MODEL_NAMES)} "
                      f"(aliases: {', '.join(ALIASES)}; case-insensitive).")
+
+
+def closest(name, options, cutoff=0.5):
+    """The option most like `name` (compared in lower case), or None below `cutoff`."""
+    by_lower = {str(option).lower(): option for option in options}
+    close = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=cutoff)
+    return by_lower[close[0]] if close else None
+
+
+def did_you_mean(name, options, cutoff=0.5, listed=True, shown=None):
+    """"; did you mean 'X'?" for the option closest to `name` (`shown[X]` in its place when
+    given), else "; valid: a, b, c" ("" when `listed` is False: the caller lists them)."""
+    close = closest(name, options, cutoff)
+    if close is not None:
+        return f"; did you mean {(shown or {}).get(close, close)!r}?"
+    return f"; valid: {', '.join(options)}" if listed else ""
