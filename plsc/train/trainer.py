@@ -96,7 +96,7 @@ class Trainer(Checkpointing, Stopping):
         counts they give."""
         g, d = cfg["Global"], cfg["Data"]
         self.accumulate = cfg["Optimizer"]["accumulate_steps"]
-        self.dataset, self._class_note = build_train_dataset(cfg)  # note: too many classes
+        self.dataset, self._class_note = build_train_dataset(cfg)  # Loss.num_classes above the data's
         dropped = list(getattr(self.dataset, "skipped", []))  # entries left out while indexing
         if len(dropped) > d["skip_bad"]:
             raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
@@ -359,8 +359,8 @@ class Trainer(Checkpointing, Stopping):
                       f"{self.head.param_dtype}), global batch {self.global_batch}, "
                       f"{self.total_steps} steps, head update "
                       f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
-        if self._class_note:
-            self.log.warning(self._class_note)
+        if self._class_note:  # the same on every rank: logged once, by rank 0
+            self.log.info(self._class_note)
         if not self.device.startswith("gpu"):
             for note in (runtime.BLAS_NOTE, cpu_setup.NOTE, cpu_setup.MALLOC_NOTE):
                 if note:
