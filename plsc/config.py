@@ -394,7 +394,8 @@ def apply_overrides(raw, overrides):
     for text in overrides or ():
         (sec, key), value = parse_override(text)
         if sec not in SCHEMA:
-            raise ConfigError(f"override {text!r}: unknown section '{sec}'{did_you_mean(sec, SCHEMA)}")
+            raise ConfigError(f"override {text!r}: unknown section '{sec}'"
+                              f"{did_you_mean(sec, SCHEMA)}")
         if not isinstance(raw.get(sec), dict):
             raw[sec] = {}
         raw[sec][key] = value

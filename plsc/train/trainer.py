@@ -96,7 +96,8 @@ class Trainer(Checkpointing, Stopping):
         counts they give."""
         g, d = cfg["Global"], cfg["Data"]
         self.accumulate = cfg["Optimizer"]["accumulate_steps"]
-        self.dataset, self._class_note = build_train_dataset(cfg)  # Loss.num_classes above the data's
+        # _class_note: a warning line when Loss.num_classes is above the data's class count
+        self.dataset, self._class_note = build_train_dataset(cfg)
         dropped = list(getattr(self.dataset, "skipped", []))  # entries left out while indexing
         if len(dropped) > d["skip_bad"]:
             raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
