@@ -117,6 +117,7 @@ class Trainer(Checkpointing, Stopping):
         """The backbone (given, or `Model.name`; with its pretrained weights) and this rank's
         shard of the head."""
         g, m, loss = cfg["Global"], cfg["Model"], cfg["Loss"]
+        self.backbone_given = backbone is not None  # resume checks Model.name only when built
         self.backbone = backbone if backbone is not None else build_backbone(cfg)
         if g["pretrained"]:
             load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
