@@ -10,30 +10,35 @@ from ..checkpoint.layout import BACKBONE, read_meta
 from ..loading import check_meta
 from ..parts import load_pretrained
 
-__all__ = ["ONNX_MISSING", "export_backbone", "load_backbone_weights"]
+__all__ = ["ONNX_MISSING", "checked_weights", "export_backbone", "load_backbone_weights"]
 
 
-def load_backbone_weights(backbone, path, cfg=None, by_name=True):
-    """Load backbone weights from a checkpoint folder, a .pdparams file or an arcface_torch
-    .pt/.pth file (`plsc.parts.load_pretrained`: all tensors with the model's shapes or
-    nothing; a damaged .pdparams raises `CheckpointDamaged` naming it). A folder's meta.json
-    is first compared with `cfg` (`plsc.loading.check_meta`: model name when `by_name`,
-    embedding size, image size; a difference is a ConfigError naming the `-o` that matches).
-    Returns (the folder or file read, the checkpoint's step or None)."""
+def checked_weights(path, cfg=None, by_name=True):
+    """(the weights file of `path`, the checkpoint's step or None): `path` is a checkpoint
+    folder, whose meta.json is compared with `cfg` first (`plsc.loading.check_meta`: the model
+    name when `by_name`, the embedding size and the image size; a difference is a ConfigError
+    naming the `-o` that matches), or a .pdparams or arcface_torch .pt/.pth file."""
     step = None
+    file = path
     if os.path.isdir(path):
         meta = read_meta(path)
         if cfg is not None:
             check_meta(path, meta, cfg, by_name)
         step = meta.get("step")
         file = os.path.join(path, BACKBONE)
-    else:
-        file = path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder, "
                                 "a .pdparams file or arcface_torch's .pt/.pth)")
+    return file, step
+
+
+def load_backbone_weights(backbone, path, cfg=None, by_name=True):
+    """Load backbone weights from `path` (`checked_weights`) by `plsc.parts.load_pretrained`:
+    every tensor with the model's shape or nothing (a damaged .pdparams raises
+    `CheckpointDamaged` naming it). Returns the checkpoint's step or None."""
+    file, step = checked_weights(path, cfg, by_name)
     load_pretrained(backbone, file)
-    return path, step
+    return step
 
 
 ONNX_MISSING = 'paddle2onnx is not installed (pip install -e ".[onnx]")'

@@ -12,10 +12,10 @@ from ..config import ConfigError
 from ..embedding import VerificationEvaluator, embed
 from ..fileio import write_npy
 from ..metrics import save_roc_png
-from ..parts import build_backbone, open_dataset
+from ..parts import build_backbone, load_pretrained, open_dataset
 from ..process.progress import progress as draw_progress, show_progress
 from ..process.runtime import select_device, start
-from .export import export_backbone, load_backbone_weights
+from .export import checked_weights, export_backbone
 from .onnx_backbone import onnx_backbone
 
 __all__ = ["trained_backbone", "trained_weights", "evaluation_model", "evaluate", "format_table", "export", "extract"]
@@ -29,13 +29,11 @@ def trained_backbone(cfg, backbone=None):
 
 def trained_weights(cfg, backbone=None):
     """(`trained_backbone`, the checkpoint folder or file its weights came from, the
-    checkpoint's step or None). Loaded by plsc's one rule (`load_backbone_weights`): a
+    checkpoint's step or None), by plsc's one rule (`checked_weights`, `load_pretrained`): a
     checkpoint's model name (unless `backbone` is given), embedding size and image size must
     be the config's, every tensor must fit."""
     select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     g = cfg["Global"]
-    by_name = backbone is None
-    backbone = backbone if backbone is not None else build_backbone(cfg)
     path = None
     if g["checkpoint"]:  # only the backbone is read: only it is verified
         path = find_checkpoint(g["checkpoint"], g["output_dir"], cfg["Checkpoint"]["verify"],
@@ -47,7 +45,10 @@ def trained_weights(cfg, backbone=None):
         raise ConfigError(f"no weights to use{found}: set Global.checkpoint (a checkpoint folder "
                           "or 'latest') or Global.pretrained (a .pdparams file or "
                           "arcface_torch's .pt/.pth)")
-    source, step = load_backbone_weights(backbone, path or g["pretrained"], cfg, by_name)
+    source = path or g["pretrained"]
+    file, step = checked_weights(source, cfg, by_name=backbone is None)  # before building
+    backbone = backbone if backbone is not None else build_backbone(cfg)
+    load_pretrained(backbone, file)
     backbone.eval()
     return backbone, source, step
 
