@@ -26,7 +26,8 @@ def main(argv=None):
     parser = config_parser("Export a trained backbone for inference. Weights: Global.checkpoint "
                            "(a folder or 'latest', whose meta.json must match the config's "
                            "Model.name, Model.embedding_size and Data.image_size) or "
-                           "Global.pretrained; every tensor must fit the model.")
+                           "Global.pretrained; every tensor must fit the model. Prints the "
+                           "checkpoint exported and, per format, its path or why it was skipped.")
     parser.add_argument("--output", help="folder to write (default: Global.output_dir/export)")
     parser.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     args = parser.parse_args(argv)
