@@ -49,13 +49,14 @@ def state_mismatch(layer, state):
     return "; ".join(parts) or None
 
 
-def load_strict(layer, state, source):
+def load_strict(layer, state, source,
+                hint="check Model.name, Model.embedding_size and Data.image_size"):
     """Set `layer`'s weights from `state` (a state_dict read from `source`, named in the error)
-    when `state_mismatch` finds nothing; else raise ConfigError and leave `layer` untouched."""
+    when `state_mismatch` finds nothing; else raise ConfigError (ending with `hint`, what
+    chose the model) and leave `layer` untouched."""
     what = state_mismatch(layer, state)
     if what:
-        raise ConfigError(f"{source} does not fit the model: {what}; nothing loaded (check "
-                          "Model.name, Model.embedding_size and Data.image_size)")
+        raise ConfigError(f"{source} does not fit the model: {what}; nothing loaded ({hint})")
     layer.set_state_dict(state)
 
 

@@ -172,6 +172,25 @@ def test_a_pdparams_of_another_shape_is_refused_naming_the_tensor(run, tmp_path,
         assert not os.path.exists(not_written)
 
 
+def test_convert_weights_refuses_another_size_or_backbone(run, tmp_path, capsys):
+    """tools/convert_weights.py has no config: the checkpoint's meta.json names the model, and
+    --model or --input-size that differ are refused, the latter by the tensors' shapes."""
+    out = tmp_path / "x.pt"
+    want = build_model("IResNetTiny", embedding_size=EMBEDDING, input_size=32).state_dict()
+    got = run["backbone"]["fc.weight"].shape
+    file = os.path.join(run["ckpt"], "backbone.pdparams")
+    code, _, err = _main(capsys, "tools/convert_weights.py", ["--to-insightface", run["ckpt"],
+                                                              "--input-size", 32, "--output", out])
+    assert code == 2 and _error_line(err) == (
+        f"error: {file} (read as IResNetTiny with 32-d embeddings at 32x32) does not fit the model: "
+        f"fc.weight has shape {list(got)}, the model's is {list(want['fc.weight'].shape)}; nothing "
+        "loaded (check --model and --input-size)")
+    code, _, err = _main(capsys, "tools/convert_weights.py", ["--to-insightface", run["ckpt"],
+                                                              "--model", "r18", "--output", out])
+    assert code == 2 and "holds the backbone IResNetTiny, not IResNet18" in _error_line(err)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))
 def test_entry_refuses_a_checkpoint_of_another_shape(run, kind):
     from plsc import Entry

@@ -84,8 +84,8 @@ def plsc_to_insightface_file(source, output, model=None, input_size=None, verify
     build it. Returns the lines to print."""
     state, file, canonical, embedding_size, size = _plsc_state(source, model, input_size, verify)
     backbone = build_model(canonical, embedding_size=embedding_size, input_size=size)
-    load_strict(backbone, state, f"{file} (a {canonical} with {embedding_size}-d embeddings at "
-                f"{size[0]}x{size[1]})")
+    load_strict(backbone, state, f"{file} (read as {canonical} with {embedding_size}-d "
+                f"embeddings at {size[0]}x{size[1]})", hint="check --model and --input-size")
     arcface = canonical in ALIASES.values() and tuple(size) == ARCFACE_INPUT_SIZE
     alias = next((a for a, c in ALIASES.items() if c == canonical), None)
     write_insightface(backbone, output, name=canonical if arcface else None)
