@@ -23,7 +23,7 @@ def build_margin_from_config(loss):
 
 
 def _say(line):
-    """A timestamped line on stdout, before the run's logger exists."""
+    """A timestamped line on stdout: `build_train_dataset`'s default `say` (no log given)."""
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
@@ -43,8 +43,8 @@ def build_train_dataset(cfg, say=_say):
                 start = time.perf_counter()
                 made = generate(root, image_size=size[0], **d["synthetic"])
                 say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
-                     f"identities and {made['num_pairs']} verification pairs written in "
-                     f"{time.perf_counter() - start:.1f} s")
+                    f"identities and {made['num_pairs']} verification pairs written in "
+                    f"{time.perf_counter() - start:.1f} s")
             barrier()
         kind = "recordio"
     ds, _ = open_dataset(kind, root, size, train=True, num_classes=cfg["Loss"]["num_classes"],

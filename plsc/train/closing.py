@@ -29,7 +29,7 @@ def _how(error):
                         (DataError, "a data error")):
         if isinstance(error, kind):
             return words
-    return f"an error: {type(error).__name__}"
+    return f"ended by {type(error).__name__}"
 
 
 def _best(trainer):
