@@ -23,12 +23,13 @@ def build_margin_from_config(loss):
 
 
 def _say(line):
-    """A timestamped line on stdout, before the run's logger exists."""
+    """A timestamped line on stdout: `build_train_dataset`'s default `say` (no log given)."""
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
-def build_train_dataset(cfg):
-    """The training dataset of `cfg['Data']`; synthetic data are generated on first use."""
+def build_train_dataset(cfg, say=_say):
+    """The training dataset of `cfg['Data']`; synthetic data are generated on first use (rank
+    0 tells `say(line)`: the trainer's log)."""
     d = cfg["Data"]
     kind, root = d["dataset"], d["root"]
     size = tuple(d["image_size"])
@@ -38,12 +39,12 @@ def build_train_dataset(cfg):
         if not os.path.isfile(os.path.join(root, "train.idx")):
             if get_rank() == 0:
                 from ..data.synthetic import generate
-                _say(f"plsc: generating the synthetic data set under {root} (first use only)")
+                say(f"plsc: generating the synthetic data set under {root} (first use only)")
                 start = time.perf_counter()
                 made = generate(root, image_size=size[0], **d["synthetic"])
-                _say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
-                     f"identities and {made['num_pairs']} verification pairs written in "
-                     f"{time.perf_counter() - start:.1f} s")
+                say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
+                    f"identities and {made['num_pairs']} verification pairs written in "
+                    f"{time.perf_counter() - start:.1f} s")
             barrier()
         kind = "recordio"
     ds, _ = open_dataset(kind, root, size, train=True, num_classes=cfg["Loss"]["num_classes"],

@@ -103,6 +103,7 @@ class Checkpointing:
             self.log.warning(warning)
 
     def save(self):
+        """Checkpoint this step (every rank); logs and returns its folder."""
         started = time.monotonic()
         pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
@@ -123,9 +124,11 @@ class Checkpointing:
             self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
             {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
         self._saved_step = self.step
+        seconds = time.monotonic() - started
+        self.log.info(f"checkpoint of step {self.step} written: {self._saved_path} "
+                      f"({seconds:.1f} s)")
         self.save_clock.nbytes = self._save_bytes()
-        self.save_clock.measured(self.save_clock.nbytes, time.monotonic() - started,
-                                 f"the save of step {self.step}")
+        self.save_clock.measured(self.save_clock.nbytes, seconds, f"the save of step {self.step}")
         return self._saved_path
 
     def _check_finite_weights(self, head_arrays):
