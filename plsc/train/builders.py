@@ -9,9 +9,9 @@ from ..config import ConfigError
 from ..distributed import barrier, get_rank
 from ..loss import build_margin
 from ..loss.table import margin_kwargs
+from ..names import did_you_mean
 from ..optim import SparseAdamW, SparseMomentum
 from ..parts import open_dataset
-from ..names import did_you_mean
 
 __all__ = ["build_margin_from_config", "build_train_dataset", "class_count_note",
            "build_backbone_optimizer", "build_head_optimizer"]
@@ -25,15 +25,15 @@ def build_margin_from_config(loss):
 
 
 def _say(line):
-    """A timestamped line on stdout, before the run's logger exists."""
+    """A timestamped line on stdout: `build_train_dataset`'s default `say` (no log given)."""
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", flush=True)
 
 
-def build_train_dataset(cfg):
-    """(dataset, note): the training dataset of `cfg['Data']` (synthetic data generated on first
-    use) and a warning line when Loss.num_classes exceeds the data's class count (else None).
-    More classes in the data than Loss.num_classes is a ConfigError naming both, found before
-    synthetic data are generated (`class_count_note`)."""
+def build_train_dataset(cfg, say=_say):
+    """The training dataset of `cfg['Data']`; synthetic data are generated on first use (rank
+    0 tells `say(line)`: the trainer's log). Loss.num_classes is compared with the data's class
+    count (`class_count_note`): more classes in the data is a ConfigError naming both, found
+    before synthetic data are generated; fewer is a warning line that rank 0 says."""
     d = cfg["Data"]
     kind, root = d["dataset"], d["root"]
     size = tuple(d["image_size"])
@@ -46,21 +46,23 @@ def build_train_dataset(cfg):
             class_count_note(num_classes, *identities)  # before generating
             if get_rank() == 0:
                 from ..data.synthetic import generate
-                _say(f"plsc: generating the synthetic data set under {root} (first use only)")
+                say(f"plsc: generating the synthetic data set under {root} (first use only)")
                 start = time.perf_counter()
                 made = generate(root, image_size=size[0], **d["synthetic"])
-                _say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
-                     f"identities and {made['num_pairs']} verification pairs written in "
-                     f"{time.perf_counter() - start:.1f} s")
+                say(f"plsc: {made['num_images']} training images of {made['num_classes']} "
+                    f"identities and {made['num_pairs']} verification pairs written in "
+                    f"{time.perf_counter() - start:.1f} s")
             barrier()
         kind = "recordio"
     ds, _ = open_dataset(kind, root, size, train=True, skip_bad=d["skip_bad"] > 0)
     note = class_count_note(num_classes, ds.data_classes, f"Data.root {root}: {ds.classes_from}")
+    if note and get_rank() == 0:
+        say(note)
     ds.num_classes = num_classes  # each label is checked against it as it is read
     ds.transform.flip_prob = 0.5 if flip else 0.0
     ds.transform.seed = int(seed)
     ds.transform.output = "uint8"  # normalised on the device by the trainer
-    return ds, note
+    return ds
 
 
 def _synthetic_classes(options):
