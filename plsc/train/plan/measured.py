@@ -57,6 +57,20 @@ BACKBONES = {
     ("ViT_T", 112, 112, False): dict(
         train_rss={16: 595_645_440, 32: 1_176_359_936},
         train_alloc={16: 438_153_864, 32: 914_578_568}),
+    # --backbone IResNet50 --image-size 112 112 --batch 8 16 --steps 2 --recompute (2026-11-28)
+    ("IResNet50", 112, 112, True): dict(
+        train_rss={8: 413_927_936, 16: 736_283_136},
+        train_alloc={8: 180_879_880, 16: 361_914_888}),
+    # --backbone ViTDemo --image-size 56 56 --embedding-size 128 --optimizer adamw --batch 32 64
+    # --eval-batch 100 200 --steps 10 (2026-11-28, one process)
+    ("ViTDemo", 56, 56, False): dict(
+        train_rss={32: 88_771_072, 64: 164_985_344},
+        train_alloc={32: 54_944_320, 64: 112_652_992},
+        eval_rss={100: 126_406_656, 200: 299_290_624}),
+    # --backbone ViT_S --image-size 112 112 --optimizer adamw --batch 8 16 --steps 2 (2026-11-28)
+    ("ViT_S", 112, 112, False): dict(
+        train_rss={8: 362_375_168, 16: 852_051_968},
+        train_alloc={8: 234_376_872, 16: 612_389_064}),
     # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet100", 112, 112, False): dict(
         train_rss={8: 1_007_803_904, 16: 2_121_657_856},

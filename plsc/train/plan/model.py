@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from . import comm, measured
-from .backbone import BackboneCost, forward_flops
+from .backbone import backbone_cost, forward_flops
 from .devices import profile as get_profile
 from .head import _probe_head, head_arrays_per_class, head_shape, head_workspace
 
@@ -50,11 +50,18 @@ class _Context:
                       and not (self.amp and amp["dtype"] == "float16"))
         self.probe = _probe_head(cfg)
         self.per_class = head_arrays_per_class(cfg)
-        self.backbone = BackboneCost(cfg)
+        self.backbone = backbone_cost(cfg)
         m = cfg["Model"]
         self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"],
                                            m["recompute"] or False)
         self.notes = []
+
+    def at(self, ranks):
+        """This context for `ranks` ranks (nothing else in it depends on them, nor on the batch
+        size)."""
+        out = copy.copy(self)
+        out.ranks = int(ranks)
+        return out
 
 
 def _activations(cfg, ctx):
@@ -135,10 +142,15 @@ def limit(prof, ranks):
     return (prof.memory_bytes - measured.LAUNCHER_RSS) // min(ranks, prof.per_node)
 
 
-def with_classes(cfg, num_classes):
+def changed(cfg, section, key, value):
+    """A copy of `cfg` with `cfg[section][key] = value`."""
     out = copy.deepcopy(cfg)
-    out["Loss"]["num_classes"] = int(num_classes)
+    out[section][key] = value
     return out
+
+
+def with_classes(cfg, num_classes):
+    return changed(cfg, "Loss", "num_classes", int(num_classes))
 
 
 def capacity(cfg, ctx, cap=10 ** 12):
