@@ -14,7 +14,7 @@ that stops where more ranks cannot help:
 """
 from dataclasses import dataclass, field
 
-from .model import changed, limit, memory, predicted
+from .model import changed, limit, memory, predicted, recomputes
 
 __all__ = ["Fix", "Stop", "fixes", "rank_search", "largest_batch"]
 
@@ -103,7 +103,7 @@ def _changes(cfg):
         yield "Loss", "sample_ratio", 0.1
     if loss["param_dtype"] != "int8":
         yield "Loss", "param_dtype", "int8"
-    if not model["recompute"] and any(s in model["name"] for s in ("IResNet", "ViT")):
+    if not recomputes(cfg) and any(s in model["name"] for s in ("IResNet", "ViT")):
         yield "Model", "recompute", True
 
 

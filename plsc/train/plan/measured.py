@@ -71,6 +71,11 @@ BACKBONES = {
     ("ViT_S", 112, 112, False): dict(
         train_rss={8: 362_375_168, 16: 852_051_968},
         train_alloc={8: 234_376_872, 16: 612_389_064}),
+    # --backbone ViT_B --image-size 112 112 --optimizer adamw --batch 4 8 --steps 2 (2026-11-28;
+    # ViT_B recomputes unless told not to, as arcface_torch's does)
+    ("ViT_B", 112, 112, True): dict(
+        train_rss={4: 165_197_824, 8: 201_746_432},
+        train_alloc={4: 45_300_088, 8: 95_597_128}),
     # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet100", 112, 112, False): dict(
         train_rss={8: 1_007_803_904, 16: 2_121_657_856},

@@ -37,6 +37,16 @@ class Plan:
         return sum(self.memory.values())
 
 
+def recomputes(cfg):
+    """Whether the backbone recomputes its blocks' activations: Model.recompute, or when unset
+    the named backbone's own choice (arcface_torch's ViT-B, -L and -H do)."""
+    m = cfg["Model"]
+    if m.get("recompute") is not None:
+        return bool(m["recompute"])
+    from ...models.registry import MODELS, resolve_name
+    return bool(getattr(MODELS[resolve_name(m["name"])], "defaults", {}).get("recompute", False))
+
+
 class _Context:
     """What does not change with the class count: the probe head, the backbone's cost, the
     measured activations, the head's bytes per class."""
@@ -52,8 +62,7 @@ class _Context:
         self.per_class = head_arrays_per_class(cfg)
         self.backbone = backbone_cost(cfg)
         m = cfg["Model"]
-        self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"],
-                                           m["recompute"] or False)
+        self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"], recomputes(cfg))
         self.notes = []
 
     def at(self, ranks):
@@ -170,7 +179,7 @@ def capacity(cfg, ctx, cap=10 ** 12):
 
 def _flops(cfg, ctx, forward):
     b = cfg["Data"]["batch_size"] * cfg["Optimizer"]["accumulate_steps"]
-    passes = 4 if cfg["Model"]["recompute"] else 3
+    passes = 4 if recomputes(cfg) else 3
     shape = head_shape(cfg, ctx.ranks, ctx.fused, ctx.probe)
     gemms = 4 if shape.chunk else 3  # the chunked path computes its logits again
     head = 2 * shape.n * shape.rows_used * shape.k * shape.d * gemms
