@@ -91,10 +91,11 @@ def test_tool_plans_the_demo_and_refuses_what_does_not_fit(data):
     assert "Loss.param_dtype=int8" in lines[0] and "--ranks 16" in lines[0]
 
 
-def test_tool_help_shows_three_examples():
+def test_tool_help_shows_three_examples_and_what_does_not_fit_prints():
     done = _tool("--help")
     assert done.returncode == 0
     assert done.stdout.count("python tools/plan.py -c") == 3
+    assert "status 2" in done.stdout and "more ranks cannot help" in done.stdout
 
 
 def test_peer_head_bytes_equal_a_direct_count_of_its_arrays():

@@ -61,6 +61,11 @@ BACKBONES = {
     ("IResNet50", 112, 112, True): dict(
         train_rss={8: 413_927_936, 16: 736_283_136},
         train_alloc={8: 180_879_880, 16: 361_914_888}),
+    # --backbone ViT_T --image-size 112 112 --optimizer adamw --batch 16 32 --steps 2 --recompute
+    # (2026-11-28)
+    ("ViT_T", 112, 112, True): dict(
+        train_rss={16: 214_975_488, 32: 329_528_320},
+        train_alloc={16: 79_266_760, 32: 159_983_368}),
     # --backbone ViTDemo --image-size 56 56 --embedding-size 128 --optimizer adamw --batch 32 64
     # --eval-batch 100 200 --steps 10 (2026-11-28, one process)
     ("ViTDemo", 56, 56, False): dict(
@@ -80,6 +85,11 @@ BACKBONES = {
     ("IResNet100", 112, 112, False): dict(
         train_rss={8: 1_007_803_904, 16: 2_121_657_856},
         train_alloc={8: 724_897_544, 16: 1_610_805_000}),
+    # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2 --recompute (2026-11-28;
+    # the allocator's peak equals IResNet50's to the byte, the resident set does not)
+    ("IResNet100", 112, 112, True): dict(
+        train_rss={8: 478_178_816, 16: 859_991_552},
+        train_alloc={8: 180_879_880, 16: 361_914_888}),
 }
 
 

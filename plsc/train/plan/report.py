@@ -84,11 +84,17 @@ def _stop(p, s):
 
 
 def does_not_fit(p):
-    """One line: what does not fit, by how much, and what would make it fit."""
+    """One line: what does not fit, by how much, what would make it fit (each change planned
+    again, `fixes`), why more ranks would not, and what saves memory without fitting."""
     what, size = _largest_term(p)
     found, stop = fixes(p)
-    return (f"does not fit: rank 0 needs {human(p.total)} of {p.profile.name}'s {human(p.limit)} "
-            f"a rank ({human(p.total - p.limit)} over; {what} take {human(size)}); would fit with: "
-            + ("; ".join(_fix(f) for f in found if f.fits) or "none of the changes tried")
-            + (f"; {_stop(p, stop)}" if stop else "")
-            + "".join(f"; saves memory but does not fit: {_fix(f)}" for f in found if not f.fits))
+    fitting = [_fix(f) for f in found if f.fits]
+    parts = [f"does not fit: rank 0 needs {human(p.total)} of {p.profile.name}'s "
+             f"{human(p.limit)} a rank ({human(p.total - p.limit)} over; {what} take "
+             f"{human(size)}); would fit with: " + ("; ".join(fitting) or "none of the changes tried")]
+    if stop:
+        parts.append(_stop(p, stop))
+    less = [_fix(f) for f in found if not f.fits]
+    if less:
+        parts.append("saves memory, does not fit alone: " + ", ".join(less))
+    return "; ".join(parts)
