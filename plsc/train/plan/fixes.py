@@ -3,9 +3,9 @@
 int8 centres, recompute), the largest `Data.batch_size` that fits, and more ranks, by a search
 that stops where more ranks cannot help:
 
-- "shared": the ranks share one machine's memory (the cpu profile), so each further rank leaves
-  every rank less (the head's arrays are the only term they divide, and they divide it among
-  themselves); fewer ranks are tried instead;
+- "shared": the ranks share one machine's memory (the cpu profile): a further rank divides only
+  the head's arrays and adds its own process, backbone and activations, so what the ranks need
+  in all grows while each one's share shrinks; fewer ranks are tried instead;
 - "kept": from k to 2k ranks what rank 0 needs did not drop, or the terms that did not shrink
   (activations, the backbone's state, the CUDA context; the gathered features grow with the
   ranks) already exceed the device;
@@ -57,17 +57,16 @@ def _splits(num_classes, ranks):
 
 
 def rank_search(p):
-    """(the rank count that fits, None) or (None, `Stop`) for plan `p` that does not fit: on a
-    profile whose ranks share a machine the most ranks below `p.ranks` (halving) that fit, else
-    the fewest above it (doubling) that fit."""
+    """(a rank count that fits or None, the `Stop` or None) for plan `p` that does not fit: on a
+    profile whose ranks share a machine the most ranks below `p.ranks` (halving) that fit, and
+    the "shared" stop; else the fewest above it (doubling) that fit, or where that stopped."""
     cfg, ctx = p.config, p.context
     mem, need, room = _needs(cfg, ctx)
     if limit(p.profile, 2 * p.ranks) < room:  # one machine's memory, shared
         k = p.ranks // 2
         while k >= 1 and _needs(cfg, ctx.at(k))[1] > limit(p.profile, k):
             k //= 2
-        more = ctx.at(2 * p.ranks)
-        _, need2, room2 = _needs(cfg, more)
+        _, need2, room2 = _needs(cfg, ctx.at(2 * p.ranks))
         stop = Stop("shared", 2 * p.ranks, need2, room2, before=need * p.ranks)
         return (k if k >= 1 else None), stop
     k = p.ranks

@@ -81,6 +81,11 @@ BACKBONES = {
     ("ViT_B", 112, 112, True): dict(
         train_rss={4: 165_197_824, 8: 201_746_432},
         train_alloc={4: 45_300_088, 8: 95_597_128}),
+    # --backbone ViT_L_DP005_Mask005 --image-size 112 112 --optimizer adamw --batch 4 8 --steps 2
+    # (2026-11-28; the recipe's own backbone, 5 % of the tokens masked, recomputing as it does)
+    ("ViT_L_DP005_Mask005", 112, 112, True): dict(
+        train_rss={4: 287_185_920, 8: 430_808_064},
+        train_alloc={4: 67_540_776, 8: 145_723_816}),
     # --backbone IResNet100 --image-size 112 112 --batch 8 16 --steps 2
     ("IResNet100", 112, 112, False): dict(
         train_rss={8: 1_007_803_904, 16: 2_121_657_856},
