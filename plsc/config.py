@@ -7,7 +7,6 @@ required values raise `ConfigError` naming the key (and the closest valid key
 for a misspelling). `check_key` checks one value, as `Entry`'s setters do.
 """
 import copy
-import difflib
 import numbers
 import os
 import re
@@ -15,8 +14,10 @@ import re
 import yaml
 
 from .dtypes import FLOAT_DTYPES, HEAD_DTYPES, STATE_DTYPES
+from .kernels.names import kernel_set
 from .loss.table import (DEFAULT_MARGIN, MARGIN_KEYS, cosine_options, either, margin_names,
                          margin_row)
+from .names import did_you_mean, resolve_name
 
 __all__ = ["ConfigError", "SCHEMA", "load_config", "parse_override", "apply_overrides",
            "validate", "check_key", "default_config", "dump_config"]
@@ -50,14 +51,15 @@ class Key:
     """One setting: accepted type(s), default, one-line help and the rule its value meets:
     `choices`, `nullable`, a range (`low`: >=, `above`: >, `high`: <=), `nonempty` (a
     string), a list's `item` type (the range then applies to each item) and `length`;
-    `unless`: a key of the same section whose being set waives the range."""
+    `unless`: a key of the same section whose being set waives the range; `known`: a
+    registry's check of a name (raises ValueError with the closest name, e.g. `resolve_name`)."""
 
     def __init__(self, types, default, help, choices=None, nullable=False, low=None, above=None,
-                 high=None, nonempty=False, item=None, length=None, unless=None):
+                 high=None, nonempty=False, item=None, length=None, unless=None, known=None):
         self.types = types if isinstance(types, tuple) else (types,)
         self.default, self.help, self.choices, self.nullable = default, help, choices, nullable
         self.low, self.above, self.high, self.nonempty = low, above, high, nonempty
-        self.item, self.length, self.unless = item, length, unless
+        self.item, self.length, self.unless, self.known = item, length, unless, known
 
     def range_text(self):
         """The range as a config states it: '>= 1', '> 0', 'in (0, 1]' ('' for none)."""
@@ -118,7 +120,13 @@ class Key:
                                 if not (t is int and float in self.types))
             raise ConfigError(f"{where} must be {names}, got {value!r} ({type(value).__name__})")
         if self.choices is not None and typed not in self.choices:
-            raise ConfigError(f"{where} must be {rule}, got {value!r}")
+            hint = did_you_mean(typed, self.choices, listed=False) if isinstance(typed, str) else ""
+            raise ConfigError(f"{where} must be {rule}, got {value!r}{hint}")
+        if self.known is not None:
+            try:
+                self.known(typed)
+            except ValueError as err:
+                raise ConfigError(f"{where}: {err}") from None
         if self.item is not None:
             items = [_typed(v, (self.item,)) for v in typed]
             if (None in items or not all(self._allowed(v) for v in items)
@@ -161,7 +169,8 @@ SCHEMA = {
                           nullable=True, low=1),
     },
     "Model": {
-        "name": _k(str, "IResNet50", "backbone name in plsc.models"),
+        "name": _k(str, "IResNet50", "backbone name in plsc.models (MODEL_NAMES, or an "
+                   "arcface_torch name such as r50; any case)", known=resolve_name),
         "embedding_size": _k(int, 512, "embedding width", low=1),
         "dropout": _k(NUM, 0.0, "dropout before the embedding layer (ViTs: after the position "
                       "embedding, in the MLPs and after the attention projections)"),
@@ -304,20 +313,15 @@ def default_config():
             for sec, keys in SCHEMA.items()}
 
 
-def _suggest(name, options):
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid: {', '.join(options)}"
-
-
 def check_key(section, key, value, name=None):
     """`value` checked against the rule of `section.key` and returned (numpy numbers as
     Python ones). The ConfigError names `name` in Python's words ('class_num must be a
     positive integer') or, without one, the key as a config does ('Loss.num_classes must
     be >= 1')."""
     if section not in SCHEMA:
-        raise ConfigError(f"unknown section '{section}'{_suggest(str(section), SCHEMA)}")
+        raise ConfigError(f"unknown section '{section}'{did_you_mean(str(section), SCHEMA)}")
     if key not in SCHEMA[section]:
-        raise ConfigError(f"unknown key '{section}.{key}'{_suggest(str(key), SCHEMA[section])}")
+        raise ConfigError(f"unknown key '{section}.{key}'{did_you_mean(str(key), SCHEMA[section])}")
     return SCHEMA[section][key].check(value, name or f"{section}.{key}", plain=name is not None)
 
 
@@ -329,7 +333,7 @@ def validate(raw, source="config"):
     cfg, given = default_config(), []
     for sec, values in raw.items():
         if sec not in SCHEMA:
-            raise ConfigError(f"{source}: unknown section '{sec}'{_suggest(str(sec), SCHEMA)}")
+            raise ConfigError(f"{source}: unknown section '{sec}'{did_you_mean(str(sec), SCHEMA)}")
         if values is None:
             continue
         if not isinstance(values, dict):
@@ -337,7 +341,7 @@ def validate(raw, source="config"):
         for key, value in values.items():
             if key not in SCHEMA[sec]:
                 raise ConfigError(f"{source}: unknown key '{sec}.{key}'"
-                                  f"{_suggest(str(key), SCHEMA[sec])}")
+                                  f"{did_you_mean(str(key), SCHEMA[sec])}")
             cfg[sec][key] = value
             given.append((sec, key))
     for sec, key in given:  # once the sections are complete, for Key.unless
@@ -348,6 +352,7 @@ def validate(raw, source="config"):
             if spec.default is REQUIRED and key not in cfg[sec]:
                 raise ConfigError(f"{source}: {sec}.{key} is required ({spec.help})")
     _check_combinations(cfg, source)
+    _check_environment()
     return cfg
 
 
@@ -360,6 +365,14 @@ def _check_combinations(cfg, source):
             raise ConfigError(f"{source}: Loss.{key}={value} needs a normalised margin "
                               f"({either(margin_names(normalized=True))}; {why}), "
                               f"not {loss['margin']}")
+
+
+def _check_environment():
+    """The settings read from the environment rather than the config: PLSC_KERNELS."""
+    try:
+        kernel_set()
+    except ValueError as err:
+        raise ConfigError(f"environment: {err}") from None
 
 
 def parse_override(text):
@@ -381,7 +394,8 @@ def apply_overrides(raw, overrides):
     for text in overrides or ():
         (sec, key), value = parse_override(text)
         if sec not in SCHEMA:
-            raise ConfigError(f"override {text!r}: unknown section '{sec}'{_suggest(sec, SCHEMA)}")
+            raise ConfigError(f"override {text!r}: unknown section '{sec}'"
+                              f"{did_you_mean(sec, SCHEMA)}")
         if not isinstance(raw.get(sec), dict):
             raw[sec] = {}
         raw[sec][key] = value

@@ -239,7 +239,9 @@ class Entry:
         return evaluate(self._trained_config(), backbone=self._model)
 
     def convert_for_prediction(self, output_dir=None, onnx=True):
-        """Export the trained backbone; returns {'paddle': prefix, 'onnx': path}."""
+        """Export the trained backbone; returns {'paddle': the inference prefix, 'onnx': the
+        ONNX file or None, 'onnx_skipped': why not (`onnx` False, paddle2onnx missing) or None,
+        'source': the checkpoint folder or weights file exported, 'step': its step or None}."""
         from .apps import export
         return export(self._trained_config(), output_dir, onnx, backbone=self._model)
 

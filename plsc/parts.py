@@ -6,6 +6,7 @@ import os
 from . import data
 from .checkpoint import load_paddle_file
 from .config import ConfigError
+from .loading import load_strict
 from .models import build_model, model_options, set_unbiased_var
 from .models.insightface import from_insightface, is_torch_file
 
@@ -39,8 +40,10 @@ def build_backbone(cfg):
 def load_pretrained(backbone, path):
     """Global.pretrained: set `backbone`'s weights from a plsc `.pdparams` file, or from an
     arcface_torch file (torch's format: a `.pt`/`.pth` name or a zip archive), read without
-    torch by `plsc.models.from_insightface`, which checks every key and shape; a mismatch is a
-    ConfigError of one line naming the keys. Returns `path`."""
+    torch by `plsc.models.from_insightface`, which checks every key and shape. A `.pdparams`
+    is loaded by `plsc.loading.load_strict`: every tensor with the model's shape, nothing
+    else, or nothing at all. A mismatch is a ConfigError of one line naming the tensors.
+    Returns `path`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Global.pretrained: no file {path}")
     if is_torch_file(path):
@@ -49,7 +52,7 @@ def load_pretrained(backbone, path):
         except (ValueError, TypeError) as err:
             raise ConfigError(f"Global.pretrained: {err}") from None
     else:
-        backbone.set_state_dict(load_paddle_file(path))
+        load_strict(backbone, load_paddle_file(path), path)
     return path
 
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import scripts
-from trainer_common import CLASSES, IMAGE, config, make_data
+from trainer_common import CLASSES, IMAGE, checked_closing_block, config, make_data
 from plsc.train import Trainer
 from plsc.checkpoint import (IO_ERROR_EXIT_CODE, CheckpointDamaged, reshard_checkpoint,
                                     verify_checkpoint)
@@ -287,6 +287,7 @@ def test_full_disk_stops_with_one_line_and_status_74(tmp_path, data_root, small_
     assert line.startswith("plsc: checkpoint step 6 not written: it needs 2.") and " MB free; " in line
     assert line.endswith(f"the previous checkpoint (step 3, {step_dir(out, 3)}) is intact")
     assert "Traceback" not in text
+    checked_closing_block(out, 6, "a checkpoint could not be written", checkpoint_step=3)
     # Without the check the disk fills in the middle of a write: the same kind of line.
     done = run_ranks(worker, 1, ["-c", cfg], cwd=str(tmp_path), env={"FAULT_NO_PRECHECK": "1"},
                      timeout=LIMIT)

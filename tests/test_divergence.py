@@ -12,8 +12,8 @@ import paddle
 import pytest
 from paddle import nn
 
-from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits, config,
-                            head_bits, make_backbone, make_data)
+from trainer_common import (CLASSES, IMAGE, assert_same_bits, backbone_bits, bits,
+                            checked_closing_block, config, head_bits, make_backbone, make_data)
 from plsc.config import dump_config
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
@@ -178,6 +178,7 @@ def test_float16_scaler_skips_count_only_at_its_floor(tmp_path, data_root):
     # The skipped steps saved checkpoints of the unchanged (finite) weights.
     saved = sorted(os.listdir(os.path.join(str(tmp_path / "amp"), "checkpoints")))
     assert "step_00000004" in saved and "step_00000005" not in saved
+    checked_closing_block(str(tmp_path / "amp"), 5, "diverged", checkpoint_step=4)
 
 
 def test_an_overflowing_update_is_not_saved(tmp_path, data_root):
@@ -227,6 +228,7 @@ def test_a_diverging_run_stops_with_70_and_resumes_from_the_last_finite_checkpoi
     ckpts = os.path.join(str(tmp_path / "out"), "checkpoints")
     finite_ckpt = os.path.join(ckpts, lines[0].split("the last finite checkpoint is ")[1].split(":")[0])
     assert os.path.isdir(finite_ckpt), lines[0]
+    assert checked_closing_block(str(tmp_path / "out"), None, "diverged") == finite_ckpt
     for folder in glob.glob(os.path.join(ckpts, "step_*")):
         for npy in glob.glob(os.path.join(folder, "head_rank*", "*.npy")):
             assert np.isfinite(np.load(npy).astype("float64")).all(), npy

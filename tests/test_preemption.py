@@ -15,7 +15,8 @@ import paddle
 import pytest
 import yaml
 
-from trainer_common import CLASSES, IMAGE, checkpoint_state, config, make_data
+from trainer_common import (CLASSES, IMAGE, checked_closing_block, checkpoint_state, config,
+                            make_data)
 from plsc.train import Trainer
 from plsc.checkpoint import find_checkpoint
 from plsc.train.preemption import PREEMPTED_EXIT_CODE, Preempted, StopSignals
@@ -175,6 +176,8 @@ def test_signal_in_one_process_checkpoints_and_resume_is_exact(tmp_path, data_ro
         stopped.train()
     assert info.value.step == 2 and info.value.signum == signal.SIGTERM
     assert info.value.checkpoint.endswith("step_00000002") and os.path.isdir(info.value.checkpoint)
+    assert checked_closing_block(out, 2, "stopped by signal 15 (SIGTERM)",
+                                 checkpoint_step=2) == info.value.checkpoint
     resumed = Trainer(config(data_root, out, Global={"max_steps": 6, "checkpoint": "auto"}))
     assert resumed.step == 2
     resumed.train()

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 import processes
-from trainer_common import CLASSES, IMAGE, checkpoint_state, make_data
+from trainer_common import CLASSES, IMAGE, checked_closing_block, checkpoint_state, make_data
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "stop_worker.py")
@@ -150,6 +150,7 @@ def test_a_stop_checkpoint_that_would_not_fit_the_grace_period_is_not_started(
     if grace == 600:
         assert "checkpoint " + os.path.join(out, "checkpoints", "step_00000005") in lines[0]
         assert "step_00000005" in checkpoints and "grace" not in done.logs[0]
+        checked_closing_block(out, 5, "stopped by signal 15 (SIGTERM)", checkpoint_step=5)
         return
     warnings = [line for line in done.logs[0].splitlines() if "a stop checkpoint would take" in line]
     assert len(warnings) == 1 and "Checkpoint.grace_seconds=0.05" in warnings[0], done.tail()
@@ -159,4 +160,6 @@ def test_a_stop_checkpoint_that_would_not_fit_the_grace_period_is_not_started(
     step3 = os.path.join(out, "checkpoints", "step_00000003")
     assert f"resumes from {step3} (step 3) and repeats steps 4-5" in lines[0], lines
     assert "step_00000005" not in checkpoints, checkpoints
+    checked_closing_block(out, 5, "stopped by signal 15 (SIGTERM); no stop checkpoint",
+                          checkpoint_step=3)
     assert done.ranks[0].ended - os.path.getmtime(pids) < 5, "not at once"

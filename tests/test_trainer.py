@@ -8,7 +8,7 @@ import numpy as np
 import paddle
 import pytest
 
-from trainer_common import GRAD_CLIP, config, make_data
+from trainer_common import GRAD_CLIP, checked_closing_block, config, make_data
 from plsc.config import ConfigError
 from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
@@ -74,6 +74,29 @@ def test_checkpoints_keep_last_and_latest(tmp_path, data_root):
     assert find_checkpoint("latest", out).endswith("step_00000007")
     meta = read_meta(find_checkpoint("latest", out))
     assert meta["step"] == 7 and meta["world_size"] == 1 and meta["num_classes"] == 24
+    checked_closing_block(out, 7, "finished", checkpoint_step=7)
+
+
+def test_train_log_says_where_the_model_is(tmp_path):
+    """train.log of a run that generates its data: the generation's two lines, a line for
+    each checkpoint (Checkpoint.interval 4 of 6 steps: steps 4 and 6) naming its folder, and
+    the closing block (the best of the evaluations every 2 steps, the final checkpoint)."""
+    import re
+    data, out = str(tmp_path / "data"), str(tmp_path / "run")
+    Trainer(config(data, out, Eval={"root": data, "targets": ["val"], "interval": 2,
+                                    "batch_size": 20},
+                   Checkpoint={"interval": 4})).train()
+    log = open(os.path.join(out, "train.log")).read()
+    assert re.search(rf"plsc: generating the synthetic data set under {data} .*\n.* plsc: 144 "
+                     r"training images of 24 identities and 40 verification pairs written in "
+                     r"\d+\.\d s\n", log), log[:2000]
+    written = re.findall(r"checkpoint of step (\d+) written: (\S+) \((\d+\.\d) s\)\n", log)
+    assert [int(step) for step, _, _ in written] == [4, 6], log
+    for step, path, _ in written:
+        assert read_meta(path)["step"] == int(step) and path == os.path.join(
+            out, "checkpoints", f"step_{int(step):08d}")
+    assert len(re.findall(r"\[val\] step \d+ accuracy", log)) == 3
+    assert checked_closing_block(out, 6, "finished", checkpoint_step=6) == written[-1][1]
 
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path, data_root):

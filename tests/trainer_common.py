@@ -110,3 +110,59 @@ def checkpoint_state(out, step):
     for f in sorted(glob.glob(os.path.join(ckpt, "head_rank*", "*.npy"))):
         state[os.path.relpath(f, ckpt)] = np.load(f)
     return state
+
+
+def checked_closing_block(out, step, how, checkpoint_step=None):
+    """The closing block that ends `out`/train.log, checked against the disk and the log's
+    other lines: its first line says the run ended at `step` (None: any) and how (`how`
+    starts the parenthesis); the checkpoint it names is the newest complete folder under
+    `out`/checkpoints (listed here), of `checkpoint_step` when given, and its step is that
+    folder's meta.json's; the best accuracy is the highest the log printed after step 0, or
+    "no evaluation" when it printed none; the export command names out/config.yaml (on disk)
+    and the checkpoint. Returns the checkpoint's folder (None: none)."""
+    import json
+    import re
+    lines = [line.split(" ", 2)[2] for line in open(os.path.join(out, "train.log"))]
+    starts = [i for i, line in enumerate(lines) if line.startswith("run ended at step ")]
+    assert starts, lines[-10:]
+    block = lines[starts[-1]:]
+    first = re.match(r"run ended at step (\d+) of \d+ \((.*)\); wall time \d+:\d\d:\d\d "
+                     r"\((\d+\.\d) s\)$", block[0].rstrip("\n"))
+    assert first, block[0]
+    assert step is None or int(first.group(1)) == step, block[0]
+    assert first.group(2).startswith(how), block[0]
+    root = os.path.join(out, "checkpoints")
+    complete = sorted(d for d in os.listdir(root) if re.fullmatch(r"step_\d{8}", d)
+                      and os.path.isfile(os.path.join(root, d, "meta.json")))
+    found = re.fullmatch(r"  last complete checkpoint: (\S+) \(step (\d+)\)\n", block[1])
+    if not complete:
+        assert block[1].startswith("  last complete checkpoint: none"), block
+        return None
+    assert found, block
+    path = found.group(1)
+    assert path == os.path.join(root, complete[-1]), (block[1], complete)
+    with open(os.path.join(path, "meta.json")) as f:
+        assert int(found.group(2)) == json.load(f)["step"], block[1]
+    assert checkpoint_step is None or int(found.group(2)) == checkpoint_step, block[1]
+    begun = max(i for i, line in enumerate(lines[:starts[-1]]) if " rank(s) on " in line)
+    printed = {}  # target -> {step: accuracy} of this run's evaluations after step 0
+    for line in lines[begun:starts[-1]]:
+        acc = re.match(r"\[(\w+)\] step (\d+) accuracy (\d\.\d{4}) ", line)
+        if acc and int(acc.group(2)) > 0:
+            printed.setdefault(acc.group(1), {})[int(acc.group(2))] = acc.group(3)
+    best = block[2].rstrip("\n")
+    if not printed:
+        assert best.startswith("  best held-out accuracy: no evaluation"), best
+    for target, values in printed.items():
+        top = max(values.values(), key=float)
+        said = re.search(rf"{target} (\d\.\d{{4}}) at step (\d+) \(its backbone: (\S+)\)", best)
+        assert said and said.group(1) == top, (best, values)
+        assert values[int(said.group(2))] == top, (best, values)  # a step that printed it
+        assert said.group(3) == os.path.join(out, "best_" + target), best
+        with open(os.path.join(said.group(3), "best.json")) as f:
+            assert json.load(f)["step"] == int(said.group(2)), best
+    config = os.path.join(out, "config.yaml")
+    assert os.path.isfile(config)
+    assert block[3:] == [f"  export it: python tools/export.py -c {config} "
+                         f"-o Global.checkpoint={path}\n"], block
+    return path

@@ -18,7 +18,9 @@ def main(argv=None):
     parser = config_parser("Verify a trained backbone (LFW protocol: 10-fold accuracy, TAR@FAR, ROC "
                            "curve written to Global.output_dir/roc.png). Weights: Global.checkpoint "
                            "(a folder or 'latest') or Global.pretrained (.pdparams, or an "
-                           "arcface_torch .pt/.pth), or --onnx FILE.")
+                           "arcface_torch .pt/.pth), or --onnx FILE. A checkpoint of another Model.name, "
+                           "Model.embedding_size or Data.image_size, or weights that do not fit the "
+                           "model, are refused (exit 2).")
     add_onnx_options(parser)
     args = parser.parse_args(argv)
     return run_tool(args, evaluate, args)

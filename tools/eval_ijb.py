@@ -35,7 +35,8 @@ def main(argv=None):
                            "writes <target>_result.json, <target>_scores.npy and <target>_roc.png (target "
                            "in lower case: ijbc_result.json, ...) to Global.output_dir. With --protocol "
                            "1n: identification against the galleries of ROOT/meta/<target>_1N_*.csv, "
-                           "<target>_1n_result.json. Weights: Global.checkpoint or Global.pretrained, "
+                           "<target>_1n_result.json. Weights: Global.checkpoint or Global.pretrained "
+                           "(refused, exit 2, when they do not match the config's model), "
                            "or --onnx FILE.")
     parser.add_argument("--root", required=True, help="the target's folder, e.g. IJB_release/IJBC")
     parser.add_argument("--target", required=True, choices=("IJBC", "IJBB"), type=str.upper,

@@ -6,8 +6,14 @@ collective and the FLOPs of a step, the largest class count that fits, a step ti
     python tools/plan.py -c configs/wf42m_vit_t_pfc03.yaml --device a100-80gb --ranks 64 \
         -o Loss.num_classes=100000000 -o Loss.param_dtype=int8
 
-A configuration that does not fit prints one line (what does not fit, by how much, what would
-make it fit) and exits with status 2. docs/scaling.md explains the model and its checks.
+A configuration that does not fit prints one line on stderr, nothing on stdout, and exits with
+status 2: what does not fit and by how much; each change that would make it fit, planned again
+(Partial FC, int8 centres, Model.recompute=true, the largest Data.batch_size that fits, a number
+of ranks); and when no number of ranks would, why more ranks cannot help (on the cpu profile the
+ranks share this machine's memory; on a GPU the terms that do not shrink with more ranks, such
+as the backbone's activations, exceed the device; or the classes cannot be split over more
+ranks). Another mistake (a config key, a backbone without measured activations) is one error
+line and status 2 as well. docs/scaling.md explains the model and its checks.
 """
 import argparse
 import sys
@@ -18,7 +24,7 @@ startup.hold()
 
 from plsc.cli import positive_int, run_tool  # noqa: E402
 
-EXAMPLES = __doc__.split("\n\n")[1]
+EXAMPLES, STATUS = __doc__.split("\n\n")[1:3]
 
 
 class DoesNotFit(Exception):
@@ -28,7 +34,8 @@ class DoesNotFit(Exception):
 def parser():
     p = argparse.ArgumentParser(
         description="Plan a training run: memory per rank, collectives, FLOPs, capacity.",
-        epilog="examples:\n" + EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog="examples:\n" + EXAMPLES + "\n\n" + STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", required=True, help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("-o", "--override", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable), e.g. -o Loss.num_classes=2000000")

@@ -6,34 +6,61 @@ import tempfile
 import paddle
 
 from ..fileio import commit_file
-from ..checkpoint.layout import BACKBONE
+from ..checkpoint.layout import BACKBONE, read_meta
+from ..loading import check_meta
 from ..parts import load_pretrained
 
-__all__ = ["export_backbone", "load_backbone_weights"]
+__all__ = ["ONNX_MISSING", "checked_weights", "export_backbone", "load_backbone_weights"]
 
 
-def load_backbone_weights(backbone, path):
-    """Load backbone weights from a checkpoint folder, a .pdparams file or an arcface_torch
-    .pt/.pth file (`plsc.parts.load_pretrained`; a damaged .pdparams raises
-    `CheckpointDamaged` naming it, arcface_torch weights that do not fit a ConfigError naming
-    the keys)."""
-    file = os.path.join(path, BACKBONE) if os.path.isdir(path) else path
+def checked_weights(path, cfg=None, by_name=True):
+    """(the weights file of `path`, the checkpoint's step or None): `path` is a checkpoint
+    folder, whose meta.json is compared with `cfg` first (`plsc.loading.check_meta`: the model
+    name when `by_name`, the embedding size and the image size; a difference is a ConfigError
+    naming the `-o` that matches), or a .pdparams or arcface_torch .pt/.pth file."""
+    step = None
+    file = path
+    if os.path.isdir(path):
+        meta = read_meta(path)
+        if cfg is not None:
+            check_meta(path, meta, cfg, by_name)
+        step = meta.get("step")
+        file = os.path.join(path, BACKBONE)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder, "
                                 "a .pdparams file or arcface_torch's .pt/.pth)")
+    return file, step
+
+
+def load_backbone_weights(backbone, path, cfg=None, by_name=True):
+    """Load backbone weights from `path` (`checked_weights`) by `plsc.parts.load_pretrained`:
+    every tensor with the model's shape or nothing (a damaged .pdparams raises
+    `CheckpointDamaged` naming it). Returns the checkpoint's step or None."""
+    file, step = checked_weights(path, cfg, by_name)
     load_pretrained(backbone, file)
-    return file
+    return step
+
+
+ONNX_MISSING = 'paddle2onnx is not installed (pip install -e ".[onnx]")'
 
 
 def export_backbone(backbone, image_size, out_dir, onnx=True, opset=11):
-    """Write `out_dir/inference.*` (paddle.jit.save, dynamic batch) and, when
-    paddle2onnx is importable and `onnx`, `out_dir/model.onnx`. Returns the paths."""
+    """Write `out_dir/inference.*` (paddle.jit.save, dynamic batch) and, when `onnx` and
+    paddle2onnx is importable, `out_dir/model.onnx`. Returns {"paddle": the inference prefix,
+    "onnx": the ONNX path or None, "onnx_skipped": why it was not written (`onnx` False:
+    "not asked for"; `ONNX_MISSING`) or None}."""
     h, w = image_size
     os.makedirs(out_dir, exist_ok=True)
     was_training = backbone.training
     backbone.eval()
     spec = [paddle.static.InputSpec([None, 3, h, w], "float32", name="images")]
     prefix = os.path.join(out_dir, "inference")
+    paths = {"paddle": prefix, "onnx": None, "onnx_skipped": None if onnx else "not asked for"}
+    if onnx:
+        try:
+            import paddle2onnx
+        except ImportError:
+            paths["onnx_skipped"] = ONNX_MISSING
     # Paddle and paddle2onnx write by path: into a temporary folder beside the output, then
     # each file is committed (fsync, rename) by plsc.fileio.
     staging = tempfile.mkdtemp(prefix=".export.", suffix=".part", dir=out_dir)
@@ -42,13 +69,7 @@ def export_backbone(backbone, image_size, out_dir, onnx=True, opset=11):
         paddle.jit.save(paddle.jit.to_static(backbone, input_spec=spec, full_graph=True), staged)
         if was_training:
             backbone.train()
-        paths = {"paddle": prefix}
-        if onnx:
-            try:
-                import paddle2onnx
-            except ImportError:
-                onnx = False
-        if onnx:
+        if paths["onnx_skipped"] is None:
             model = next(f for f in (staged + ".json", staged + ".pdmodel") if os.path.isfile(f))
             paddle2onnx.export(model, staged + ".pdiparams", os.path.join(staging, "model.onnx"),
                                opset_version=opset, auto_upgrade_opset=True, verbose=False,

@@ -12,38 +12,45 @@ from ..config import ConfigError
 from ..embedding import VerificationEvaluator, embed
 from ..fileio import write_npy
 from ..metrics import save_roc_png
-from ..parts import build_backbone, open_dataset
+from ..parts import build_backbone, load_pretrained, open_dataset
 from ..process.progress import progress as draw_progress, show_progress
 from ..process.runtime import select_device, start
-from .export import export_backbone, load_backbone_weights
+from .export import checked_weights, export_backbone
 from .onnx_backbone import onnx_backbone
 
-__all__ = ["trained_backbone", "evaluation_model", "evaluate", "format_table", "export", "extract"]
+__all__ = ["trained_backbone", "trained_weights", "evaluation_model", "evaluate", "format_table", "export", "extract"]
 
 
 def trained_backbone(cfg, backbone=None):
     """The config's backbone with the weights of Global.checkpoint ('latest' or a folder)
     or else Global.pretrained (.pdparams, or arcface_torch's .pt/.pth), in eval mode."""
+    return trained_weights(cfg, backbone)[0]
+
+
+def trained_weights(cfg, backbone=None):
+    """(`trained_backbone`, the checkpoint folder or file its weights came from, the
+    checkpoint's step or None), by plsc's one rule (`checked_weights`, `load_pretrained`): a
+    checkpoint's model name (unless `backbone` is given), embedding size and image size must
+    be the config's, every tensor must fit."""
     select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     g = cfg["Global"]
-    backbone = backbone if backbone is not None else build_backbone(cfg)
     path = None
     if g["checkpoint"]:  # only the backbone is read: only it is verified
         path = find_checkpoint(g["checkpoint"], g["output_dir"], cfg["Checkpoint"]["verify"],
                                warn=lambda msg: print(f"plsc: {msg}", file=sys.stderr),
                                only=(BACKBONE,))
-    if path is not None:
-        load_backbone_weights(backbone, path)
-    elif g["pretrained"]:
-        load_backbone_weights(backbone, g["pretrained"])
-    else:
+    if path is None and not g["pretrained"]:
         found = (f" (Global.checkpoint=auto found none under {g['output_dir']})"
                  if g["checkpoint"] == "auto" else "")
         raise ConfigError(f"no weights to use{found}: set Global.checkpoint (a checkpoint folder "
                           "or 'latest') or Global.pretrained (a .pdparams file or "
                           "arcface_torch's .pt/.pth)")
+    source = path or g["pretrained"]
+    file, step = checked_weights(source, cfg, by_name=backbone is None)  # before building
+    backbone = backbone if backbone is not None else build_backbone(cfg)
+    load_pretrained(backbone, file)
     backbone.eval()
-    return backbone
+    return backbone, source, step
 
 
 def evaluation_model(cfg, backbone=None, onnx=None, onnx_input="rgb"):
@@ -94,10 +101,13 @@ def evaluate(cfg, backbone=None, out=None, onnx=None, onnx_input="rgb"):
 
 
 def export(cfg, out_dir=None, onnx=True, backbone=None):
-    """The trained backbone as a Paddle inference model (+ ONNX); returns the paths."""
-    model = trained_backbone(cfg, backbone)
+    """The trained backbone as a Paddle inference model (+ ONNX): `export_backbone`'s
+    {"paddle", "onnx", "onnx_skipped"} plus "source" (the checkpoint folder or weights file
+    exported) and "step" (the checkpoint's step, None for a weights file)."""
+    model, source, step = trained_weights(cfg, backbone)
     out_dir = out_dir or os.path.join(cfg["Global"]["output_dir"], "export")
-    return export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
+    paths = export_backbone(model, cfg["Data"]["image_size"], out_dir, onnx=onnx)
+    return {**paths, "source": source, "step": step}
 
 
 def extract(cfg, source, output, flip=False, batch_size=None, backbone=None, progress=None, onnx=None,

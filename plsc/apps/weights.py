@@ -10,6 +10,7 @@ import paddle
 from ..checkpoint import load_paddle_file, read_meta, verify_checkpoint
 from ..checkpoint.layout import BACKBONE
 from ..fileio import atomic_write
+from ..loading import load_strict
 from ..models import build_model, from_insightface, insightface_layout, resolve_name
 from ..models import to_insightface as write_insightface
 from ..models.insightface import ARCFACE_INPUT_SIZE, _embedding_key
@@ -83,16 +84,8 @@ def plsc_to_insightface_file(source, output, model=None, input_size=None, verify
     build it. Returns the lines to print."""
     state, file, canonical, embedding_size, size = _plsc_state(source, model, input_size, verify)
     backbone = build_model(canonical, embedding_size=embedding_size, input_size=size)
-    want = {k: list(v.shape) for k, v in backbone.state_dict().items()}
-    got = {k: list(getattr(v, "shape", ())) for k, v in state.items()}
-    if got != want:
-        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
-        shapes = [k for k in want if k in got and got[k] != want[k]]
-        what = (f"missing {missing[:4]}" if missing else f"unexpected {extra[:4]}" if extra else
-                f"{shapes[0]!r} has shape {got[shapes[0]]}, expected {want[shapes[0]]}")
-        raise ValueError(f"{file}: not a {canonical} with {embedding_size}-d embeddings at "
-                         f"{size[0]}x{size[1]}: {what}")
-    backbone.set_state_dict(state)
+    load_strict(backbone, state, f"{file} (read as {canonical} with {embedding_size}-d "
+                f"embeddings at {size[0]}x{size[1]})", hint="check --model and --input-size")
     arcface = canonical in ALIASES.values() and tuple(size) == ARCFACE_INPUT_SIZE
     alias = next((a for a, c in ALIASES.items() if c == canonical), None)
     write_insightface(backbone, output, name=canonical if arcface else None)

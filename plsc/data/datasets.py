@@ -5,6 +5,10 @@ by default a DataError naming the file and key; with ``skip_bad=True`` the
 sample is replaced by the next good one and the skip is counted (`num_skipped`, per process)
 and its message appended to `skipped`, which `plsc.data.DataLoader` hands to the main process
 (which logs it and keeps the run's count).
+
+`data_classes` is the class count the data declare (None: unknown), `classes_from` where it
+was read: a RecordIO's `property` file, a folder's identity sub-folders, a list's largest
+label + 1. Training compares it with Loss.num_classes before its first step.
 """
 import os
 import struct
@@ -31,6 +35,7 @@ class _FaceDataset(paddle.io.Dataset):
         self.skip_bad = skip_bad
         self.num_skipped = 0
         self.skipped = []  # messages of skipped samples not yet taken by the loader
+        self.data_classes, self.classes_from = None, "unknown"
 
     def _load(self, i):
         """``(encoded image, label, ref)`` of sample `i`, `ref` naming it for `_where`; DataError if bad."""
@@ -98,6 +103,8 @@ class RecordIODataset(_FaceDataset):
         if image_size is None:
             image_size = prop[1:] if prop else (112, 112)
         super().__init__(image_size, train, transform, num_classes, skip_bad, mean, std)
+        if prop:
+            self.data_classes, self.classes_from = prop[0], "its property file"
         self.reader = RecordIOReader(os.path.join(root, prefix + ".rec"), os.path.join(root, prefix + ".idx"))
         self._drop_bad_offsets()
         self.keys, self.header = facerec.image_keys(self.reader)
@@ -185,6 +192,7 @@ class ImageFolderDataset(_FileListDataset):
         paths, labels, self.class_names = scan_image_folder(root)
         super().__init__(paths, labels, lambda i: paths[i], image_size, train, transform, num_classes, skip_bad,
                          mean, std)
+        self.data_classes, self.classes_from = len(self.class_names), "its identity folders"
 
 
 class ImageListDataset(_FileListDataset):
@@ -196,6 +204,8 @@ class ImageListDataset(_FileListDataset):
         paths, labels, lines = read_image_list(list_path, root)
         super().__init__(paths, labels, lambda i: f"{list_path}:{lines[i]}", image_size, train, transform,
                          num_classes, skip_bad, mean, std)
+        self.data_classes = max(self.labels, default=-1) + 1
+        self.classes_from = "its largest label + 1"
 
 
 class ImagePathsDataset(_FileListDataset):

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import paddle
 
+from .names import KERNELS_ENV, kernel_set  # noqa: F401  (KERNELS_ENV: the tests' import)
 from .numerics import DEVICE_SLAB_BYTES  # the device set's slab budget
 
 __all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies",
@@ -31,17 +32,6 @@ _SLAB_FLOATS = 1 << 16  # floats of a slab of rows (256 KiB: the passes of one s
 
 _pools = {}
 _threads = 1  # threads of these kernels (Paddle's own default is 1)
-
-KERNELS_ENV = "PLSC_KERNELS"  # "device": every tensor takes the device set (Paddle ops only)
-_KERNEL_SETS = ("auto", "device")
-
-
-def kernel_set():
-    """The kernel set asked for by PLSC_KERNELS: "auto" (by the tensor's place) or "device"."""
-    value = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
-    if value not in _KERNEL_SETS:
-        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(_KERNEL_SETS)}")
-    return value
 
 
 def cpu_set(*tensors):

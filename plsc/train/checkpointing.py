@@ -7,6 +7,7 @@ import paddle
 from .. import distributed as pd
 from ..config import ConfigError
 from ..dtypes import asked_as
+from ..loading import check_meta, load_strict
 from ..storage import all_rows_finite
 from ..checkpoint import (CheckpointManager, CheckpointSaveError, array_dtype, head_array_bytes,
                           head_dtype, load_head_rows_into, local_optimizer_state,
@@ -102,6 +103,7 @@ class Checkpointing:
             self.log.warning(warning)
 
     def save(self):
+        """Checkpoint this step (every rank); logs and returns its folder."""
         started = time.monotonic()
         pd.sync_buffers(self.backbone)  # the statistics saved are those every rank evaluates with
         head = self.head
@@ -122,9 +124,11 @@ class Checkpointing:
             self.ckpt.save, self.step, meta, self.backbone.state_dict(), trainer_state, arrays,
             {"data_skipped": [self.skipped_in_epoch, self.skipped_total]})
         self._saved_step = self.step
+        seconds = time.monotonic() - started
+        self.log.info(f"checkpoint of step {self.step} written: {self._saved_path} "
+                      f"({seconds:.1f} s)")
         self.save_clock.nbytes = self._save_bytes()
-        self.save_clock.measured(self.save_clock.nbytes, time.monotonic() - started,
-                                 f"the save of step {self.step}")
+        self.save_clock.measured(self.save_clock.nbytes, seconds, f"the save of step {self.step}")
         return self._saved_path
 
     def _check_finite_weights(self, head_arrays):
@@ -151,11 +155,13 @@ class Checkpointing:
     def resume(self, path):
         meta, backbone_state, trainer_state, rng = CheckpointManager.load(path, self.rank, self.world)
         head = self.head
-        for key in ("num_classes", "embedding_size", "sub_centers"):
-            if meta.get(key, 1) != getattr(head, key):
-                raise ConfigError(f"checkpoint {path} has {key}={meta[key]}, the config "
-                                  f"{getattr(head, key)}")
-        self.backbone.set_state_dict(backbone_state)
+        # plsc's one loading rule (plsc.loading): the model name (unless the backbone was
+        # given as a Layer), embedding size, image size and the head's shape must be the
+        # config's; every backbone tensor must fit, or nothing is loaded.
+        check_meta(path, meta, self.cfg, by_name=not self.backbone_given,
+                   more=[("Loss.num_classes", meta.get("num_classes"), head.num_classes),
+                         ("Loss.sub_centers", meta.get("sub_centers", 1), head.sub_centers)])
+        load_strict(self.backbone, backbone_state, path)
         self.backbone_opt.set_state_dict(local_optimizer_state(trainer_state["backbone_opt"],
                                                                self.backbone))
         self.lr.set_state_dict(trainer_state["lr"])

@@ -51,6 +51,12 @@ class TrainLogger:
             from visualdl import LogWriter  # imported lazily: it is slow to import
             self.writer = LogWriter(logdir=visualdl_dir(output_dir))
 
+    def begin(self, total_steps):
+        """The run will take `total_steps` steps; throughput and ETA are measured from now
+        (the log may be opened earlier, to log the start-up)."""
+        self.total = int(total_steps)
+        self._t0 = self._start = time.perf_counter()
+
     def info(self, msg):
         if self.enabled:
             if self.bar:

@@ -2,6 +2,7 @@
 import contextlib
 import functools
 import os
+import time
 
 import numpy as np
 import paddle
@@ -25,6 +26,7 @@ from .amp import LossScaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
 from .checkpointing import Checkpointing
+from .closing import closing_block
 from .divergence import NonFiniteSteps
 from .grace import SaveClock
 from .grad_sync import OverlappedSum
@@ -59,6 +61,7 @@ class Trainer(Checkpointing, Stopping):
     @reports_lost_ranks
     @_closed_on_error
     def __init__(self, cfg, backbone=None):
+        self.started = time.monotonic()  # the run's wall time (its closing block) counts from here
         self.cfg = cfg
         g = cfg["Global"]
         self.device = runtime.start(cfg)
@@ -70,6 +73,7 @@ class Trainer(Checkpointing, Stopping):
             raise ConfigError("AMP.enable is true but training runs on the CPU; AMP needs a GPU")
         paddle.seed(g["seed"])
         np.random.seed(g["seed"])
+        self._open_log(cfg)  # before the data: their generation is logged
         self._build_data(cfg)
         self._build_model(cfg, backbone)
         self._build_optimizers(cfg)
@@ -81,7 +85,7 @@ class Trainer(Checkpointing, Stopping):
         self.history = []  # (step, loss) of every optimizer step of this process
         self.step_losses = []  # the last step's micro-batch losses (`optimizer_step`)
         self.eval_history = []
-        self.best = {}  # target -> best accuracy so far
+        self.best = {}  # target -> (best accuracy so far, its step)
         self._saved_step = self._saved_path = None  # the last checkpoint this process wrote
         if self.rank == 0:
             self._tidy_output_dir()
@@ -96,7 +100,7 @@ class Trainer(Checkpointing, Stopping):
         counts they give."""
         g, d = cfg["Global"], cfg["Data"]
         self.accumulate = cfg["Optimizer"]["accumulate_steps"]
-        self.dataset = build_train_dataset(cfg)
+        self.dataset = build_train_dataset(cfg, say=self.log.info)
         dropped = list(getattr(self.dataset, "skipped", []))  # entries left out while indexing
         if len(dropped) > d["skip_bad"]:
             raise DataError(f"{dropped[-1]}; {len(dropped)} bad entries, more than Data.skip_bad="
@@ -117,6 +121,7 @@ class Trainer(Checkpointing, Stopping):
         """The backbone (given, or `Model.name`; with its pretrained weights) and this rank's
         shard of the head."""
         g, m, loss = cfg["Global"], cfg["Model"], cfg["Loss"]
+        self.backbone_given = backbone is not None  # resume checks Model.name only when built
         self.backbone = backbone if backbone is not None else build_backbone(cfg)
         if g["pretrained"]:
             load_pretrained(self.backbone, g["pretrained"])  # .pdparams or arcface_torch's .pt
@@ -143,15 +148,21 @@ class Trainer(Checkpointing, Stopping):
         self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
         self.nonfinite = NonFiniteSteps(cfg["Global"]["max_nonfinite_steps"])
 
+    def _open_log(self, cfg):
+        """The run's log (`train.log`, the console, VisualDL), on rank 0."""
+        lg = cfg["Logging"]
+        self.log = TrainLogger(self.output_dir, 0, cfg["Global"]["log_interval"],
+                               enabled=self.rank == 0, visualdl=lg["visualdl"],
+                               progress_bar=lg["progress_bar"])
+
     def _build_outputs(self, cfg):
-        """The checkpoint manager, the evaluator (None without Eval.targets) and the log."""
-        g, e, lg = cfg["Global"], cfg["Eval"], cfg["Logging"]
+        """The checkpoint manager, the evaluator (None without Eval.targets); the log's count
+        of steps."""
+        e = cfg["Eval"]
         self.ckpt = CheckpointManager(self.output_dir, cfg["Checkpoint"]["keep_last"])
         self.evaluator = (VerificationEvaluator(e["root"], e["targets"], cfg["Data"]["image_size"],
                                                 e["batch_size"]) if e["targets"] else None)
-        self.log = TrainLogger(self.output_dir, self.total_steps, g["log_interval"],
-                               enabled=self.rank == 0, visualdl=lg["visualdl"],
-                               progress_bar=lg["progress_bar"])
+        self.log.begin(self.total_steps)
         self.save_clock = SaveClock(cfg["Checkpoint"]["grace_seconds"])
 
     def _tidy_output_dir(self):
@@ -342,15 +353,29 @@ class Trainer(Checkpointing, Stopping):
 
     def train(self):
         """Train to `total_steps`, evaluating and checkpointing on the way; returns the history.
-        The output folder's lock is released (`close`) when this returns or raises (a later
-        call takes it again)."""
+        However it ends, the log gets the run's closing block (`closing_block`). The output
+        folder's lock is released (`close`) when this returns or raises (a later call takes it
+        again)."""
         if self._folder is None:
             self._folder = self._claim()
+        ended = None  # what ended the run: None when it finished
         try:
             with step_timers(self):  # opt-in (PLSC_STEP_TIMES): per-phase step times, timers.py
                 return self._train()
+        except BaseException as err:
+            ended = err
+            raise
         finally:
-            self.close()
+            try:
+                self._close_run(ended)
+            finally:
+                self.close()
+
+    def _close_run(self, error=None):
+        """Rank 0 logs the closing block of a run ended by `error` (None: finished)."""
+        if self.log.enabled:
+            for line in closing_block(self, error):
+                self.log.info(line)
 
     def _train(self):
         cfg = self.cfg
@@ -440,9 +465,11 @@ class Trainer(Checkpointing, Stopping):
         for target, report in reports.items():
             self.log.evaluation(self.step, target, report)
             if (self.step > 0 and report["accuracy"] is not None
-                    and report["accuracy"] > self.best.get(target, -1.0)):
-                self.best[target] = report["accuracy"]
-                self._checked_save(save_best, self.output_dir, target, self.step, report,
-                                   self.backbone.state_dict())
+                    and report["accuracy"] > self.best.get(target, (-1.0,))[0]):
+                self.best[target] = (report["accuracy"], self.step)
+                kept = self._checked_save(save_best, self.output_dir, target, self.step, report,
+                                          self.backbone.state_dict())
+                self.log.info(f"[{target}] best so far: the backbone of step {self.step} "
+                              f"written to {kept}")
         self.eval_history.append((self.step, reports))
         return reports

@@ -44,13 +44,31 @@ class BackboneCost:
         return per * self.trainable
 
 
+_KNOWN = {}  # (what, the config's values it reads) -> a BackboneCost or FLOPs, built once
+
+
+def _once(what, cfg, make):
+    key = (what, repr(sorted(cfg["Model"].items())), tuple(cfg["Data"]["image_size"]),
+           cfg["Optimizer"]["name"], cfg["Optimizer"]["grad_allreduce_dtype"])
+    if key not in _KNOWN:
+        _KNOWN[key] = make(cfg)
+    return _KNOWN[key]
+
+
 def backbone_cost(cfg):
-    return BackboneCost(cfg)
+    """`BackboneCost(cfg)`, built once a backbone (the planner asks again for each change it
+    tries)."""
+    return _once("cost", cfg, BackboneCost)
 
 
 def forward_flops(cfg):
     """Multiply-adds x 2 of one sample's forward: convolutions, linear layers and the
-    attentions' two batched products (the elementwise work is left out)."""
+    attentions' two batched products (the elementwise work is left out); counted once a
+    backbone."""
+    return _once("flops", cfg, _count_flops)
+
+
+def _count_flops(cfg):
     model = build_backbone(cfg)
     model.eval()
     total = [0]

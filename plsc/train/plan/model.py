@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from . import comm, measured
-from .backbone import BackboneCost, forward_flops
+from .backbone import backbone_cost, forward_flops
 from .devices import profile as get_profile
 from .head import _probe_head, head_arrays_per_class, head_shape, head_workspace
 
@@ -37,6 +37,16 @@ class Plan:
         return sum(self.memory.values())
 
 
+def recomputes(cfg):
+    """Whether the backbone recomputes its blocks' activations: Model.recompute, or when unset
+    the named backbone's own choice (arcface_torch's ViT-B, -L and -H do)."""
+    m = cfg["Model"]
+    if m.get("recompute") is not None:
+        return bool(m["recompute"])
+    from ...models.registry import MODELS, resolve_name
+    return bool(getattr(MODELS[resolve_name(m["name"])], "defaults", {}).get("recompute", False))
+
+
 class _Context:
     """What does not change with the class count: the probe head, the backbone's cost, the
     measured activations, the head's bytes per class."""
@@ -50,11 +60,17 @@ class _Context:
                       and not (self.amp and amp["dtype"] == "float16"))
         self.probe = _probe_head(cfg)
         self.per_class = head_arrays_per_class(cfg)
-        self.backbone = BackboneCost(cfg)
+        self.backbone = backbone_cost(cfg)
         m = cfg["Model"]
-        self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"],
-                                           m["recompute"] or False)
+        self.row = measured.activation_row(m["name"], cfg["Data"]["image_size"], recomputes(cfg))
         self.notes = []
+
+    def at(self, ranks):
+        """This context for `ranks` ranks (nothing else in it depends on them, nor on the batch
+        size)."""
+        out = copy.copy(self)
+        out.ranks = int(ranks)
+        return out
 
 
 def _activations(cfg, ctx):
@@ -135,10 +151,15 @@ def limit(prof, ranks):
     return (prof.memory_bytes - measured.LAUNCHER_RSS) // min(ranks, prof.per_node)
 
 
-def with_classes(cfg, num_classes):
+def changed(cfg, section, key, value):
+    """A copy of `cfg` with `cfg[section][key] = value`."""
     out = copy.deepcopy(cfg)
-    out["Loss"]["num_classes"] = int(num_classes)
+    out[section][key] = value
     return out
+
+
+def with_classes(cfg, num_classes):
+    return changed(cfg, "Loss", "num_classes", int(num_classes))
 
 
 def capacity(cfg, ctx, cap=10 ** 12):
@@ -158,7 +179,7 @@ def capacity(cfg, ctx, cap=10 ** 12):
 
 def _flops(cfg, ctx, forward):
     b = cfg["Data"]["batch_size"] * cfg["Optimizer"]["accumulate_steps"]
-    passes = 4 if cfg["Model"]["recompute"] else 3
+    passes = 4 if recomputes(cfg) else 3
     shape = head_shape(cfg, ctx.ranks, ctx.fused, ctx.probe)
     gemms = 4 if shape.chunk else 3  # the chunked path computes its logits again
     head = 2 * shape.n * shape.rows_used * shape.k * shape.d * gemms

@@ -5,6 +5,7 @@ assumed CUDA context), and the largest class count that fits. `tools/plan.py --p
 from . import measured, peers
 from .backbone import BackboneCost
 from .devices import profile as get_profile
+from .model import recomputes
 
 __all__ = ["peer_memory", "peer_capacity"]
 
@@ -18,7 +19,7 @@ class _Fixed:
         # torch DDP (gradient_as_bucket_view=False, its default): a flat float32 copy of the
         # gradients in its buckets
         self.kept["DDP gradient buckets"] = 4 * bb.trainable
-        row = measured.activation_row(m["name"], data["image_size"], m["recompute"] or False)
+        row = measured.activation_row(m["name"], data["image_size"], recomputes(cfg))
         scale = 0.5 if cfg["AMP"]["enable"] else 1.0
         self.activations = int(scale * measured.at_batch(row["train_alloc"], data["batch_size"]))
         n, d = data["batch_size"] * ranks, m["embedding_size"]

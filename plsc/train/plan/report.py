@@ -1,8 +1,6 @@
 """The plan as text (tools/plan.py) and the one line of a configuration that does not fit."""
-import copy
-
 from . import comm
-from .model import predicted
+from .fixes import fixes
 
 __all__ = ["render", "does_not_fit", "human"]
 
@@ -64,46 +62,39 @@ def _largest_term(p):
                 ("the backbone's activations", act)], key=lambda t: t[1])
 
 
-def _remedies(p):
-    """What would make `p` fit, each checked by planning it again."""
-    cfg, out = p.config, []
-    tries = []
-    if cfg["Loss"]["sample_ratio"] >= 1.0:
-        tries.append(("Loss.sample_ratio=0.1", ("Loss", "sample_ratio", 0.1)))
-    if cfg["Loss"]["param_dtype"] != "int8":
-        tries.append(("Loss.param_dtype=int8", ("Loss", "param_dtype", "int8")))
-    if not cfg["Model"]["recompute"] and any(s in cfg["Model"]["name"] for s in ("IResNet", "ViT")):
-        tries.append(("Model.recompute=true", ("Model", "recompute", True)))
-    for text, (sec, key, value) in tries:
-        trial = copy.deepcopy(cfg)
-        trial[sec][key] = value
-        try:
-            need, room = predicted(trial, p.ranks, p.profile.name)
-        except KeyError:  # e.g. no measured activations with recompute
-            continue
-        if need <= room:
-            out.append(f"{text} (fits)")
-        elif need < p.total:
-            out.append(f"{text} (saves {human(p.total - need)})")
-    need = _ranks_needed(p)
-    if need:
-        out.append(f"--ranks {need} (fits)")
-    return out
+def _fix(f):
+    if f.fits:
+        return f"{f.text} (fits: needs {human(f.need)} of {human(f.room)})"
+    return f"{f.text} (saves {human(f.saves)})"
 
 
-def _ranks_needed(p, most=1 << 16):
-    k = p.ranks * 2
-    while k <= most:
-        need, room = predicted(p.config, k, p.profile.name)
-        if need <= room:
-            return k
-        k *= 2
-    return None
+def _stop(p, s):
+    """Why more ranks cannot help, from a `fixes.Stop`."""
+    if s.why == "shared":
+        return (f"more ranks cannot help: the ranks share this machine's {human(p.limit * p.ranks)}"
+                f" ({p.ranks} need {human(s.before)} in all, {s.ranks} would need "
+                f"{human(s.need * s.ranks)})")
+    if s.why == "classes":
+        return (f"more ranks cannot help: {p.config['Loss']['num_classes']:,} classes cannot be "
+                f"split over {s.ranks} ranks (each rank must own one)")
+    term, size = max(s.kept.items(), key=lambda t: t[1])
+    return (f"more ranks cannot help: at {s.ranks} ranks rank 0 still needs {human(s.need)} of "
+            f"{human(s.room)}, {human(sum(s.kept.values()))} of it in terms that do not shrink "
+            f"with more ranks (the largest: {term} {human(size)})")
 
 
 def does_not_fit(p):
-    """One line: what does not fit, by how much, and what would make it fit."""
+    """One line: what does not fit, by how much, what would make it fit (each change planned
+    again, `fixes`), why more ranks would not, and what saves memory without fitting."""
     what, size = _largest_term(p)
-    return (f"does not fit: rank 0 needs {human(p.total)} of {p.profile.name}'s {human(p.limit)} "
-            f"a rank ({human(p.total - p.limit)} over; {what} take {human(size)}); would fit with: "
-            + ("; ".join(_remedies(p)) or "nothing tried here"))
+    found, stop = fixes(p)
+    fitting = [_fix(f) for f in found if f.fits]
+    parts = [f"does not fit: rank 0 needs {human(p.total)} of {p.profile.name}'s "
+             f"{human(p.limit)} a rank ({human(p.total - p.limit)} over; {what} take "
+             f"{human(size)}); would fit with: " + ("; ".join(fitting) or "none of the changes tried")]
+    if stop:
+        parts.append(_stop(p, stop))
+    less = [_fix(f) for f in found if not f.fits]
+    if less:
+        parts.append("saves memory, does not fit alone: " + ", ".join(less))
+    return "; ".join(parts)
