@@ -104,6 +104,7 @@ def test_synthetic_classes_above_num_classes_stop_before_generating(tmp_path):
     assert "-o Loss.num_classes=20" in errors[0] and "Traceback" not in text
     assert not data.exists(), "generated anyway"
     assert "step 1" not in text + log and not (tmp_path / "out" / "checkpoints").exists()
+    assert log.splitlines()[-1].endswith(f"the run did not start: {errors[0][len('error: '):]}"), log
 
 
 def test_a_folder_with_more_classes_stops_before_the_first_step(tmp_path):
@@ -115,6 +116,7 @@ def test_a_folder_with_more_classes_stops_before_the_first_step(tmp_path):
     assert "Loss.num_classes=4" in errors[0] and "6 classes" in errors[0], errors
     assert "-o Loss.num_classes=6" in errors[0] and "Traceback" not in text
     assert "step 1" not in text + log and not (tmp_path / "out" / "checkpoints").exists()
+    assert log.splitlines()[-1].endswith(f"the run did not start: {errors[0][len('error: '):]}"), log
 
 
 def test_fewer_classes_in_the_data_are_one_warning_line(tmp_path):

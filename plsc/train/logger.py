@@ -63,6 +63,15 @@ class TrainLogger:
                 sys.stdout.write("\r\033[K")
             self.log.info(msg)
 
+    def file_only(self, msg):
+        """`msg` in train.log alone (a line the console already has, e.g. the tool's error)."""
+        if not self.enabled:
+            return
+        record = self.log.makeRecord(self.log.name, logging.INFO, __file__, 0, msg, None, None)
+        for handler in self.log.handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+
     def warning(self, msg):
         """`msg` in the log (the rank that is enabled) or on stderr (every other rank)."""
         if self.enabled:

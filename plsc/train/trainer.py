@@ -39,12 +39,15 @@ __all__ = ["Trainer"]
 
 
 def _closed_on_error(init):
-    """An `__init__` that releases what it took (the output folder's lock) when it raises."""
+    """An `__init__` that releases what it took (the output folder's lock) when it raises; once
+    train.log is open, the reason the run did not start is its last line."""
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         try:
             init(self, *args, **kwargs)
-        except BaseException:
+        except BaseException as err:
+            if getattr(self, "log", None) is not None and isinstance(err, Exception):
+                self.log.file_only(f"the run did not start: {err}")
             self.close()
             raise
     return wrapper
