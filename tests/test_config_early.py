@@ -93,30 +93,31 @@ def train(tmp_path, *overrides):
     return done, done.stdout + done.stderr, log.read_text() if log.exists() else ""
 
 
+def assert_refused_before_step(tmp_path, done, text, log, configured, in_data):
+    """Status 2 with one line naming both class counts and the -o that fits, no step taken, and
+    train.log (when the run opened it) ending with the same reason."""
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, text
+    assert f"Loss.num_classes={configured}" in errors[0] and f"{in_data} classes" in errors[0], errors
+    assert f"-o Loss.num_classes={in_data}" in errors[0] and "Traceback" not in text
+    assert "step 1" not in text + log and not (tmp_path / "out" / "checkpoints").exists()
+    assert log.splitlines()[-1].endswith(f"the run did not start: {errors[0][len('error: '):]}"), log
+
+
 def test_synthetic_classes_above_num_classes_stop_before_generating(tmp_path):
     data = tmp_path / "data"
     done, text, log = train(tmp_path, "-o", f"Data.root={data}", "-o", "Loss.num_classes=10",
                             "-o", "Data.synthetic={num_identities: 20, images_per_identity: 2, "
                                   "num_val_identities: 4, num_pairs: 10}")
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2 and len(errors) == 1, text
-    assert "Loss.num_classes=10" in errors[0] and "20 classes" in errors[0], errors
-    assert "-o Loss.num_classes=20" in errors[0] and "Traceback" not in text
+    assert_refused_before_step(tmp_path, done, text, log, configured=10, in_data=20)
     assert not data.exists(), "generated anyway"
-    assert "step 1" not in text + log and not (tmp_path / "out" / "checkpoints").exists()
-    assert log.splitlines()[-1].endswith(f"the run did not start: {errors[0][len('error: '):]}"), log
 
 
 def test_a_folder_with_more_classes_stops_before_the_first_step(tmp_path):
     faces = write_faces(tmp_path / "faces", identities=6, per_identity=2, size=16)
     done, text, log = train(tmp_path, "-o", "Data.dataset=folder", "-o", f"Data.root={faces}",
                             "-o", "Loss.num_classes=4")
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert done.returncode == 2 and len(errors) == 1, text
-    assert "Loss.num_classes=4" in errors[0] and "6 classes" in errors[0], errors
-    assert "-o Loss.num_classes=6" in errors[0] and "Traceback" not in text
-    assert "step 1" not in text + log and not (tmp_path / "out" / "checkpoints").exists()
-    assert log.splitlines()[-1].endswith(f"the run did not start: {errors[0][len('error: '):]}"), log
+    assert_refused_before_step(tmp_path, done, text, log, configured=4, in_data=6)
 
 
 def test_fewer_classes_in_the_data_are_one_warning_line(tmp_path):
