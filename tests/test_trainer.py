@@ -90,7 +90,7 @@ def test_train_log_says_where_the_model_is(tmp_path):
     assert re.search(rf"plsc: generating the synthetic data set under {data} .*\n.* plsc: 144 "
                      r"training images of 24 identities and 40 verification pairs written in "
                      r"\d+\.\d s\n", log), log[:2000]
-    written = re.findall(r"checkpoint of step (\d+) written: (\S+) \((\d+\.\d) s\)\n", log)
+    written = re.findall(r"checkpoint of step (\d+) written: (\S+) \((\d+\.\d\d) s\)\n", log)
     assert [int(step) for step, _, _ in written] == [4, 6], log
     for step, path, _ in written:
         assert read_meta(path)["step"] == int(step) and path == os.path.join(

@@ -126,7 +126,7 @@ class Checkpointing:
         self._saved_step = self.step
         seconds = time.monotonic() - started
         self.log.info(f"checkpoint of step {self.step} written: {self._saved_path} "
-                      f"({seconds:.1f} s)")
+                      f"({seconds:.2f} s)")
         self.save_clock.nbytes = self._save_bytes()
         self.save_clock.measured(self.save_clock.nbytes, seconds, f"the save of step {self.step}")
         return self._saved_path
