@@ -44,6 +44,14 @@ def load_backbone_weights(backbone, path, cfg=None, by_name=True):
 ONNX_MISSING = 'paddle2onnx is not installed (pip install -e ".[onnx]")'
 
 
+def _quiet_onnx_info(paddle2onnx):
+    """paddle2onnx's own info lines off (its warnings and errors stay): they name the staging
+    folder ("ONNX model saved in .../.export.XXXX.part/model.onnx"), not where the file ends."""
+    log = getattr(getattr(paddle2onnx, "utils", None), "logging", None)
+    if log is not None and getattr(log, "log_level", 0) > 1:
+        log.log_level = 1
+
+
 def export_backbone(backbone, image_size, out_dir, onnx=True, opset=11):
     """Write `out_dir/inference.*` (paddle.jit.save, dynamic batch) and, when `onnx` and
     paddle2onnx is importable, `out_dir/model.onnx`. Returns {"paddle": the inference prefix,
@@ -71,6 +79,7 @@ def export_backbone(backbone, image_size, out_dir, onnx=True, opset=11):
             backbone.train()
         if paths["onnx_skipped"] is None:
             model = next(f for f in (staged + ".json", staged + ".pdmodel") if os.path.isfile(f))
+            _quiet_onnx_info(paddle2onnx)
             paddle2onnx.export(model, staged + ".pdiparams", os.path.join(staging, "model.onnx"),
                                opset_version=opset, auto_upgrade_opset=True, verbose=False,
                                enable_onnx_checker=True)
