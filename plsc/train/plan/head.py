@@ -4,15 +4,20 @@ Bytes per class: a head of a few classes is built as the trainer builds it (`Par
 config's margin, storage dtype and sub-centres, its optimizer from `build_head_optimizer`, the
 state created by `init_state`) and `plsc.storage.nbytes` of each array is divided by its
 classes, so every storage's figure (8-bit codes and row scales, 4-bit codes and block scales,
-AdamW's step counts) is the storage's own. Workspaces: the step's buffers as the head sizes them
-(`PartialFC._chunk_for`, the sampled rows in their storage or as float32, the slab budgets).
+AdamW's step counts) is the storage's own. Workspaces: the step's buffers as the head and its
+optimizer size them (`PartialFC._chunk_for`, the sampled rows in their storage or as float32, the
+slab budgets, the optimizer's chunk of rows bounded by the rows it updates), and on the separate
+update path (gradient accumulation, `fused_head_update: false`, a float16 loss scale) the
+gradient arrays `SparseRowOptimizer._apply` and `_gradients` make: the upcast of a 16-bit
+gradient, the loss scale's product, the merge of the micro-batches' Partial FC rows.
 """
+import math
 from dataclasses import dataclass, field
 
 from ... import storage
 from ...nn import PartialFC
 from ...nn.parallel_softmax import _DEVICE_WGRAD_BYTES, wgrad_block_bytes
-from ...kernels.numerics import DEVICE_SLAB_BYTES
+from ...optim.sparse_rows import _CHUNK
 from ..builders import build_head_optimizer, build_margin_from_config
 
 __all__ = ["HeadShape", "head_arrays_per_class", "head_shape", "head_workspace"]
@@ -61,6 +66,8 @@ class HeadShape:
     stored_rows: bool  # Partial FC's rows gathered in their storage (no float32 copy)
     row_bytes: float  # bytes of one class's centres as stored
     per_class_logit: int = 4  # bytes of a class's logits per sample
+    micro: int = 1  # micro-batches a step (Optimizer.accumulate_steps)
+    float16_amp: bool = False  # float16 AMP: on a GPU a loss scale multiplies the gradients
     notes: list = field(default_factory=list)
 
 
@@ -86,8 +93,15 @@ def head_shape(cfg, ranks, fused, probe=None):
     row_bytes = storage.nbytes(probe.weight) / _PROBE_CLASSES
     stored = ratio < 1.0 and fused and loss["param_dtype"] != "float32"
     per_logit = 4 * (1 if k == 1 else k + 2)
+    amp = cfg["AMP"]
     return HeadShape(num_local, rows_used, n, cfg["Model"]["embedding_size"], k, chunk, fused,
-                     stored, row_bytes, per_logit)
+                     stored, row_bytes, per_logit, cfg["Optimizer"]["accumulate_steps"],
+                     amp["enable"] and amp["dtype"] == "float16")
+
+
+# float32 copies of a chunk's rows an update holds at once (the rows read, the state read, the
+# gradient's terms, the new values): the optimizers' `_update`, an estimate.
+_UPDATE_COPIES = 4
 
 
 def head_workspace(s, device):
@@ -98,18 +112,57 @@ def head_workspace(s, device):
     width = s.chunk or s.rows_used
     out["logits" if not s.chunk else "logits block"] = s.n * width * s.per_class_logit
     out["inverse centre norms"] = 4 * s.rows_used * k
-    if s.rows_used < s.num_local:  # Partial FC's gathered rows (their gradient written over them)
-        out["sampled rows"] = s.rows_used * (s.row_bytes if s.stored_rows else 4 * d * k)
+    pfc = s.rows_used < s.num_local
+    if pfc:  # Partial FC's gathered rows (their gradient written over them), one set a
+        # micro-batch: the optimizer keeps each micro-batch's rows until the step (`stash`)
+        out["sampled rows"] = s.micro * s.rows_used * (s.row_bytes if s.stored_rows else 4 * d * k)
     narrow = s.row_bytes < 4 * d * k or s.stored_rows
     # the head's weight is float32 when stored so, or as Partial FC's float32 copy of its rows
-    float32 = s.row_bytes >= 4 * d * k or (s.rows_used < s.num_local and not s.stored_rows)
+    float32 = s.row_bytes >= 4 * d * k or (pfc and not s.stored_rows)
     wgrad = _DEVICE_WGRAD_BYTES if device else wgrad_block_bytes(float32)
     if narrow:  # a block's rows read as float32, a slab at a time beyond the budget
         out["float32 rows of a block"] = min(wgrad, 4 * d * k * width)
     out["weight gradient slab"] = min(wgrad, 4 * d * k * width)
-    slab = DEVICE_SLAB_BYTES if device else 4 * 1024 * d * k
-    out["update chunk temporaries"] = 4 * slab
-    if not s.fused and s.rows_used == s.num_local:  # Partial FC's is written over its rows
-        per_value = 2 if s.row_bytes == 2 * d * k else 4  # a 16-bit weight's is 16-bit
-        out["weight gradient"] = per_value * d * k * s.num_local
+    # rows one update walks (the shard's, Partial FC's sampled ones merged over micro-batches),
+    # a chunk at a time (`SparseRowOptimizer._apply`: `_CHUNK` rows, or a device slab)
+    updated = k * _merged_rows(s)
+    chunk = storage.slab_rows(d, budget=storage.DEVICE_SLAB_BYTES) if device else _CHUNK
+    out["update chunk temporaries"] = _UPDATE_COPIES * 4 * d * min(chunk, updated)
+    if not s.fused:
+        out.update(_separate_update(s, device, updated))
+    return out
+
+
+def _merged_rows(s):
+    """Distinct classes the step's micro-batches sampled: each samples anew (a fraction r of
+    the shard), so about 1 - (1 - r)^micro of the shard; all of it without Partial FC."""
+    if s.micro == 1 or s.rows_used >= s.num_local:
+        return s.rows_used
+    return max(s.rows_used, math.ceil(s.num_local * (1 - (1 - s.rows_used / s.num_local)
+                                                        ** s.micro)))
+
+
+def _separate_update(s, device, updated):
+    """The gradient arrays of an update after the backward (`SparseRowOptimizer.step`)."""
+    d, k = s.d, s.k
+    out = {}
+    scaled = 4 * d * updated if device and s.float16_amp else 0  # `grad * grad_scale`
+    if s.rows_used < s.num_local:
+        if s.micro > 1:  # `_gradients`: the parts concatenated, then summed per unique row
+            out["micro-batches' sampled rows, concatenated and merged"] = (
+                4 * d * k * s.micro * s.rows_used + 4 * d * updated)
+        out["gradient times the loss scale"] = scaled
+        return out
+    sixteen = s.row_bytes == 2 * d * k  # autograd's gradient is 16-bit; an 8-bit weight's
+    per_value = 2 if sixteen else 4  # is float32 (`PartialFC._keep_dense_gradient`)
+    out["weight gradient"] = per_value * d * k * s.num_local
+    # `_apply` upcasts a 16-bit gradient whole (`to_float32`); with micro-batches Paddle holds
+    # the next one's beside the sum (an autograd weight's, in the backward, not at once with
+    # the upcast): the larger of the two
+    upcast = 4 * d * k * s.num_local if sixteen else 0
+    autograd = s.row_bytes >= 2 * d * k
+    following = per_value * d * k * s.num_local if s.micro > 1 and autograd else 0
+    out["weight gradient's second copy (upcast, or the next micro-batch's)"] = max(upcast,
+                                                                                 following)
+    out["gradient times the loss scale"] = scaled
     return out

@@ -1,0 +1,127 @@
+"""The planner's measured table and its head workspaces against what the code does: the table
+is benchmarks/measure_backbone_memory.py's output (every row one of its entries, every backbone
+plsc ships measured with and without recompute where it has that option), the pixel scaling the
+planner applies between sizes holds where two sizes are measured, and the separate update's
+gradient arrays (gradient accumulation) are what Paddle's allocator sees a real head's
+optimizer step take."""
+import plsc  # noqa: F401  (first: its CPU set-up before Paddle runs a product)
+import numpy as np
+import paddle
+import pytest
+from paddle.base import core
+
+import scripts
+from trainer_common import config
+
+from plsc.models import model_options
+from plsc.names import MODEL_NAMES
+from plsc.train.plan import measured
+
+
+@pytest.fixture(scope="module")
+def script():
+    return scripts.load("benchmarks/measure_backbone_memory.py")
+
+
+def test_every_row_is_an_entry_of_the_script_and_every_entry_a_row(script):
+    """No row typed by hand: each is keyed by what its arguments measure, and the script's
+    TABLE has no entry the table lacks."""
+    keys = set()
+    for entry in script.TABLE:
+        args = script.parser().parse_args(entry.split())
+        key = (args.backbone, *args.image_size, args.recompute)
+        keys.add(key)
+        assert measured.BACKBONES[key]["arguments"] == entry
+    assert keys == set(measured.BACKBONES)
+
+
+@pytest.mark.parametrize("name", list(MODEL_NAMES))
+def test_every_backbone_has_activations_with_and_without_recompute(name):
+    for recompute in (False, True) if "recompute" in model_options(name) else (False,):
+        row = measured.activation_row(name, (112, 112), recompute)
+        for key in ("train_rss", "train_alloc"):
+            points = row[key]
+            assert len(points) >= 2 and all(v > 0 for v in points.values()), (name, key)
+            # more samples, more memory: the rows are a batch's, not a constant
+            xs = sorted(points)
+            assert points[xs[-1]] > points[xs[0]], (name, key)
+
+
+@pytest.mark.parametrize("name,recompute", [("IResNet100", False), ("ViT_L_DP005_Mask005", True)])
+def test_pixel_scaling_predicts_the_second_measured_size(name, recompute):
+    """The rule that sizes IResNet200's and ViT-H's 112 x 112 activations from 56 x 56:
+    the 112 x 112 row scaled to 56 x 56 against the 56 x 56 measurement (Paddle's allocator
+    within 15 %, the resident set, which malloc's placement moves, within 30 %)."""
+    big = measured.BACKBONES[(name, 112, 112, recompute)]
+    small = measured.BACKBONES[(name, 56, 56, recompute)]
+    for key, tol in (("train_alloc", 0.15), ("train_rss", 0.30)):
+        for b, got in small[key].items():
+            want = measured.at_batch(big[key], b) / 4
+            assert abs(want / got - 1) < tol, (key, b, want, got)
+
+
+def _peak(fn):
+    """Bytes Paddle's host allocator peaks at, above what was allocated before, while `fn` runs."""
+    before = core.host_memory_stat_current_value("Allocated", 0)
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    fn()
+    return core.host_memory_stat_peak_value("Allocated", 0) - before
+
+
+def _peaks(cfg, micro):
+    """(the last micro-batch's forward and backward, the head optimizer's step): the
+    allocator's peak during each, after `micro` micro-batches stashed as the trainer does."""
+    from plsc.nn import PartialFC
+    from plsc.train.builders import build_head_optimizer, build_margin_from_config
+    loss_cfg, d = cfg["Loss"], cfg["Model"]["embedding_size"]
+    head = PartialFC(d, loss_cfg["num_classes"], build_margin_from_config(loss_cfg),
+                     sample_ratio=loss_cfg["sample_ratio"], param_dtype=loss_cfg["param_dtype"],
+                     check_inputs="labels")
+    opt = build_head_optimizer(cfg, 0.1)
+    opt.init_state(head)
+    rng = np.random.RandomState(0)
+    n = cfg["Data"]["batch_size"]
+
+    def micro_batch():
+        emb = paddle.to_tensor(rng.normal(size=(n, d)).astype("float32"), stop_gradient=False)
+        labels = paddle.to_tensor(rng.randint(0, loss_cfg["num_classes"], n).astype("int64"))
+        head(emb, labels).backward()
+    for _ in range(micro - 1):
+        micro_batch()
+        opt.stash(head)
+    return _peak(micro_batch), _peak(lambda: opt.step(head))
+
+
+SECOND = "weight gradient's second copy (upcast, or the next micro-batch's)"
+MERGED = "micro-batches' sampled rows, concatenated and merged"
+
+
+@pytest.mark.parametrize("param_dtype,ratio,optimizer", [
+    ("bfloat16", 1.0, "adamw"), ("float32", 1.0, "sgd"), ("float16", 1.0, "sgd"),
+    ("bfloat16", 0.3, "sgd")])
+def test_the_separate_updates_arrays_are_what_a_real_step_allocates(param_dtype, ratio,
+                                                                    optimizer):
+    """Two micro-batches, then the head optimizer's step, on a real head: what the planner
+    says the step allocates (the chunk temporaries; a 16-bit gradient's float32 upcast;
+    Partial FC's parts concatenated and merged) within 25 % of the allocator's peak during
+    the step; a float32 gradient is not copied there, its second copy is the second
+    micro-batch's gradient in the backward, beside the first's."""
+    from plsc.train.plan.head import head_shape, head_workspace
+    classes, d = 40_000, 64
+    cfg = config("/nonexistent", "/tmp/unused", Model={"embedding_size": d},
+                 Loss={"num_classes": classes, "param_dtype": param_dtype, "sample_ratio": ratio},
+                 Optimizer={"name": optimizer, "accumulate_steps": 2,
+                            **({"lr": 0.001} if optimizer == "adamw" else {})},
+                 Data={"batch_size": 32})
+    backward, step = _peaks(cfg, 2)
+    terms = head_workspace(head_shape(cfg, 1, fused=False), device=False)
+    whole = 4 * classes * d  # a float32 [C, d] array
+    if param_dtype == "float32":
+        assert step < 0.2 * whole
+        want_step = terms["update chunk temporaries"]
+        assert backward >= terms[SECOND] == whole
+    else:
+        want_step = terms["update chunk temporaries"] + terms.get(SECOND, 0) + terms.get(MERGED, 0)
+    assert abs(want_step / step - 1) < 0.25, (step, terms)
+    if ratio == 1.0 and param_dtype != "float32":  # the whole gradient upcast at once
+        assert step >= whole
