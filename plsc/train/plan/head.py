@@ -156,13 +156,15 @@ def _separate_update(s, device, updated):
     sixteen = s.row_bytes == 2 * d * k  # autograd's gradient is 16-bit; an 8-bit weight's
     per_value = 2 if sixteen else 4  # is float32 (`PartialFC._keep_dense_gradient`)
     out["weight gradient"] = per_value * d * k * s.num_local
-    # `_apply` upcasts a 16-bit gradient whole (`to_float32`); with micro-batches Paddle holds
-    # the next one's beside the sum (an autograd weight's, in the backward, not at once with
-    # the upcast): the larger of the two
-    upcast = 4 * d * k * s.num_local if sixteen else 0
-    autograd = s.row_bytes >= 2 * d * k
-    following = per_value * d * k * s.num_local if s.micro > 1 and autograd else 0
-    out["weight gradient's second copy (upcast, or the next micro-batch's)"] = max(upcast,
-                                                                                 following)
+    # `_apply` upcasts a 16-bit gradient whole (`to_float32`), after the backward; with
+    # micro-batches an autograd weight's next gradient comes beside the sum in the backward.
+    # Not alive at once, but both counted: the blocks one frees stay in the process (malloc,
+    # a device's caching allocator) when the other is allocated, and are not of its size
+    # (a run: IResNetTiny, 600K bfloat16 classes, AdamW, 2 micro-batches, 3 ranks: the larger
+    # of the two predicted 8.9 % under the measured peak, both within 1 %)
+    if sixteen:
+        out["weight gradient, float32 upcast for the update"] = 4 * d * k * s.num_local
+    if s.micro > 1 and s.row_bytes >= 2 * d * k:
+        out["next micro-batch's weight gradient"] = per_value * d * k * s.num_local
     out["gradient times the loss scale"] = scaled
     return out
