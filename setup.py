@@ -25,6 +25,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["plsc", "plsc.*"]),
+    package_data={"plsc.train.plan": ["measured_table.json"]},  # the planner's measured table
     python_requires=">=3.8",
     # Paddle is not a hard requirement: CPU users take the `cpu` extra,
     # GPU users install the paddlepaddle-gpu wheel that matches their CUDA.

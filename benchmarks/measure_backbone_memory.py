@@ -1,15 +1,20 @@
 """Memory of a backbone's training step (and of an evaluation forward) per sample, measured on
 this machine: the rows of `plsc.train.plan.measured.BACKBONES`.
 
-    python benchmarks/measure_backbone_memory.py --backbone IResNetTiny --image-size 56 \
+    python benchmarks/measure_backbone_memory.py --backbone IResNetTiny --image-size 56 56 \
         --batch 32 64 128 256 --eval-batch 100 200
+    python benchmarks/measure_backbone_memory.py --write-table [--only NAME...]
+
+The second measures every entry of `TABLE` (every backbone plsc ships) and writes the planner's
+table, plsc/train/plan/measured_table.json (`--only`: those backbones' entries again, the other
+rows kept).
 
 Each (mode, batch) runs in a process of its own (one kernel thread, as a rank of a 2-rank run
 on 2 cores, malloc keeping freed blocks as in a run and giving them back after each training
 step as the trainer does after its first steps; `--no-release` keeps them): the backbone and
 its optimizer are built, a uint8 batch is made, then the steps run (forward, backward, the
-optimizer's step; the loss is the embeddings' sum, no head). Reported per process: the peak resident set (VmHWM) above
-the resident set before the first step, less the gradients and the optimizer state the first
+optimizer's step; the loss is the embeddings' sum, no head). Reported per process: the peak
+resident set (VmHWM) above the resident set before the first step, less the gradients and the optimizer state the first
 step creates (computed from the parameters' shapes), and the same for Paddle's host allocator
 (its peak above what was allocated before the step). The JSON line at the end gives them per
 batch size: {batch: bytes}, the planner interpolating between them (the resident set is not
@@ -38,7 +43,11 @@ def child(args):
     from paddle.base import core
     from plsc.models import build_model
     h, w = args.image_size
-    kwargs = {"recompute": True} if args.recompute else {}
+    from plsc.models import model_options
+    # recompute as asked, also off for a backbone whose name recomputes (ViT-B, -L, -H)
+    kwargs = {"recompute": args.recompute} if "recompute" in model_options(args.backbone) else {}
+    if args.recompute and not kwargs:
+        raise SystemExit(f"{args.backbone} has no recompute option")
     model = build_model(args.backbone, embedding_size=args.embedding_size, input_size=(h, w),
                         **kwargs)
     params = [p for p in model.parameters() if not p.stop_gradient]
@@ -76,9 +85,10 @@ def child(args):
 
 
 def _run(args, mode, batch):
+    steps = args.steps if mode == "train" else args.eval_steps
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--batch",
            str(batch), "--backbone", args.backbone, "--image-size", *map(str, args.image_size),
-           "--optimizer", args.optimizer, "--steps", str(args.steps),
+           "--optimizer", args.optimizer, "--steps", str(steps),
            "--embedding-size", str(args.embedding_size)] + (["--recompute"] if args.recompute else [])
     cmd += [] if args.release else ["--no-release"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
@@ -86,35 +96,165 @@ def _run(args, mode, batch):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _median_run(args, mode, batch):
+    """The run whose resident set is the median of `args.repeats` processes (where malloc
+    places the batches moves it by up to a quarter)."""
+    runs = sorted((_run(args, mode, batch) for _ in range(args.repeats)),
+                  key=lambda r: r["rss_bytes"])
+    return runs[len(runs) // 2]
+
+
 def _points(args, mode, batches):
-    runs = [_run(args, mode, b) for b in batches]
+    runs = [_median_run(args, mode, b) for b in batches]
     out = {f"{mode}_{key}": {b: r[f"{key}_bytes"] for b, r in zip(batches, runs)}
            for key in ("rss", "alloc")}
     return out, runs[0]["params"]
 
 
-def main(argv=None):
+def measure(args):
+    """The row of `args`: {"train_rss", "train_alloc"[, "eval_rss", "eval_alloc"]: {batch:
+    bytes}} and the trainable parameter count."""
+    row, params = _points(args, "train", args.batch)
+    if args.eval_batch:
+        row.update(_points(args, "eval", args.eval_batch)[0])
+    return row, params
+
+
+# The planner's table: every backbone plsc ships, with and without recompute where it has the
+# option; the large ones at a small batch (and ViT-H, IResNet200 at 56 x 56: the planner scales
+# by the pixels, a rule the "check" rows measure at a second size). Each entry: the arguments
+# of this script that measure it.
+TABLE = [
+    "--backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256 "
+    "--eval-batch 100 200 --repeats 3",
+    "--backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 --recompute",
+    "--backbone ViTDemo --image-size 56 56 --embedding-size 128 --optimizer adamw --batch 32 64 "
+    "--eval-batch 100 200 --repeats 3",
+    "--backbone ViTDemo --image-size 56 56 --embedding-size 128 --optimizer adamw --batch 32 64 "
+    "--recompute",
+    "--backbone ViT_T --image-size 56 56 --optimizer adamw --batch 32 64 --eval-batch 100 200 "
+    "--repeats 3",
+    "--backbone ViT_T --optimizer adamw --batch 16 32",
+    "--backbone ViT_T --optimizer adamw --batch 16 32 --recompute",
+    "--backbone ViT_S --optimizer adamw --batch 8 16",
+    "--backbone ViT_S --optimizer adamw --batch 8 16 --recompute",
+    "--backbone ViT_B --optimizer adamw --batch 4 8",
+    "--backbone ViT_B --optimizer adamw --batch 4 8 --recompute",
+    "--backbone ViT_L_DP005_Mask005 --optimizer adamw --batch 4 8 --recompute",
+    "--backbone ViT_L_DP005_Mask005 --optimizer adamw --batch 4 8",
+    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 --recompute",
+    "--backbone MobileFaceNet --batch 16 32",
+    "--backbone MobileFaceNetLarge --batch 16 32",
+    "--backbone IResNet18 --batch 16 32 --eval-batch 64 128",
+    "--backbone IResNet18 --batch 16 32 --recompute",
+    "--backbone IResNet34 --batch 8 16",
+    "--backbone IResNet34 --batch 8 16 --recompute",
+    "--backbone IResNet50 --batch 8 16",
+    "--backbone IResNet50 --batch 8 16 --recompute",
+    "--backbone IResNet100 --batch 8 16",
+    "--backbone IResNet100 --batch 8 16 --recompute",
+    "--backbone IResNet100 --image-size 56 56 --batch 8 16",
+    "--backbone IResNet200 --image-size 56 56 --batch 4 8",
+    "--backbone IResNet200 --image-size 56 56 --batch 4 8 --recompute",
+    "--backbone ViT_H --image-size 56 56 --batch 2 4 --recompute",
+    "--backbone ViT_H --image-size 56 56 --batch 2 4",
+]
+
+_ABOUT = ("Generated by `python benchmarks/measure_backbone_memory.py --write-table` (do not edit: "
+          "run it again; `--only NAME...` re-measures those backbones' entries). The rows of "
+          "plsc.train.plan.measured.BACKBONES: each a backbone at an image size, with or without "
+          "recompute, its {batch: bytes} points, the arguments that measured it, the machine and "
+          "the date.")
+
+
+def _machine():
+    with open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                   "unknown CPU")
+    import paddle
+    return f"{cpu}, {os.cpu_count()} cores, Paddle {paddle.__version__}"
+
+
+def _table():
+    """(the table's path, its rows): plsc.train.plan.measured's."""
+    sys.path.insert(0, ROOT)
+    from plsc.train.plan import measured
+    return measured.TABLE, dict(measured.BACKBONES)
+
+
+def write_table(parser, only, missing=False):
+    """Measure the `TABLE` entries (those of the backbones in `only`, when given; with
+    `missing`, only those the table has no row for) and rewrite the table with them, keeping
+    the other rows as they were."""
+    import datetime
+    path, rows = _table()
+    machine = _machine()
+    for entry in TABLE:
+        args = parser.parse_args(entry.split())
+        key = (args.backbone, *args.image_size, args.recompute)
+        if (only and args.backbone not in only) or (missing and key in rows):
+            continue
+        row, params = measure(args)
+        rows[key] = dict(row, params=params, arguments=entry, machine=machine,
+                         date=datetime.date.today().isoformat())
+        print(json.dumps({"row": list(key), **row}), flush=True)
+        _write(path, rows)
+
+
+def _write(path, rows):
+    """The table as JSON: its rows sorted by name, larger sizes first (`measured.read_table`
+    reads it)."""
+    out = {"about": _ABOUT, "rows": []}
+    for key in sorted(rows, key=lambda k: (k[0], -k[1] * k[2], k[3])):
+        name, height, width, recompute = key
+        out["rows"].append(dict(backbone=name, height=height, width=width, recompute=recompute,
+                                **rows[key]))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--backbone", required=True)
+    p.add_argument("--backbone")
     p.add_argument("--image-size", type=int, nargs=2, default=[112, 112])
     p.add_argument("--embedding-size", type=int, default=512)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 16])
     p.add_argument("--eval-batch", type=int, nargs="*", default=[])
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="training steps a process")
+    p.add_argument("--eval-steps", type=int, default=10,
+                   help="evaluation forwards a process (the demo's evaluation: 1,000 images "
+                        "and their flips a rank at 200)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="processes per point, the median's resident set kept")
     p.add_argument("--no-release", dest="release", action="store_false",
                    help="keep malloc's freed blocks between steps (the trainer gives them back "
                         "after each of its first steps: cpu_setup.release_freed_memory)")
+    p.add_argument("--write-table", action="store_true",
+                   help="measure every entry of TABLE and write plsc/train/plan/measured_table.json")
+    p.add_argument("--only", nargs="*", default=[],
+                   help="with --write-table: only these backbones' entries (e.g. IResNet50)")
+    p.add_argument("--missing", action="store_true",
+                   help="with --write-table: only the entries the table has no row for")
     p.add_argument("--child", action="store_true")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.write_table:
+        return write_table(parser(), args.only, args.missing)
+    if not args.backbone:
+        raise SystemExit("--backbone is required (or --write-table)")
     if args.child:
         args.batch = args.batch[0]
         return child(args)
-    row, params = _points(args, "train", args.batch)
-    if args.eval_batch:
-        row.update(_points(args, "eval", args.eval_batch)[0])
+    row, params = measure(args)
     print(json.dumps({"backbone": args.backbone, "image_size": args.image_size,
                       "recompute": args.recompute, "params": params, "batches": args.batch,
                       "eval_batches": args.eval_batch, **row}))
