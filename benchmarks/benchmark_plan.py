@@ -1,6 +1,7 @@
 """The planner's predicted peak memory against the measured peak RSS of real runs on this
-machine: for each run, the plan of its config on the "cpu" profile (2 ranks) beside the VmHWM of
-the larger rank of the launched run (`benchmarks/peak_rss.py`). One JSON line per run.
+machine: for each run, the plan of its config on the "cpu" profile (its ranks: 2 unless the run
+says) beside the VmHWM of the largest rank of the launched run (`benchmarks/peak_rss.py`). One
+JSON line per run.
 
     python benchmarks/benchmark_plan.py --out /tmp/plan_runs                  # every run
     python benchmarks/benchmark_plan.py --out /tmp/plan_runs --runs demo vit_t_adamw
@@ -9,8 +10,13 @@ the larger rank of the launched run (`benchmarks/peak_rss.py`). One JSON line pe
 The runs (few steps each; the demo's synthetic data, generated on first use under OUT):
 demo (configs/demo.yaml), int8_3m (3M classes, int8 centres and momentum, the run of
 docs/memory_and_benchmarks.md), pfc_10m (10M classes, Partial FC 0.1, int8 centres, 4-bit
-momentum), vit_t_adamw (configs/demo_vit.yaml with ViT-T and AdamW). Run them one at a time on an
-otherwise idle machine.
+momentum), vit_t_adamw (configs/demo_vit.yaml with ViT-T and AdamW); and runs no test uses, for
+the terms of issue 61: accum_bf16 (2 micro-batches a step, bfloat16 centres and AdamW, 3 ranks),
+accum_int8 (2 micro-batches, int8 centres and momentum), pfc_accum_bf16 (Partial FC 0.3 over
+bfloat16 centres, 2 micro-batches), unfused_f32 (float32 centres updated after the backward,
+`Optimizer.fused_head_update=false`), vit_s (ViT-S at 112 x 112, AdamW), demo_vit
+(configs/demo_vit.yaml as shipped, its evaluation included). Memory is what they measure, so
+other work on the machine slows them without moving the figures much.
 """
 import argparse
 import json
@@ -33,11 +39,33 @@ RUNS = {
         "Data.batch_size=128", "Global.max_steps=3", "Eval.targets=[]"]),
     "vit_t_adamw": ("configs/demo_vit.yaml", [
         "Model.name=ViT_T", "Model.embedding_size=512", "Global.max_steps=3"]),
+    "accum_bf16": ("configs/demo.yaml", [
+        "Loss.num_classes=600000", "Loss.param_dtype=bfloat16", "Optimizer.name=adamw",
+        "Optimizer.lr=0.001", "Optimizer.accumulate_steps=2", "Model.embedding_size=512",
+        "Global.max_steps=3", "Eval.targets=[]"], 3),
+    "accum_int8": ("configs/demo.yaml", [
+        "Loss.num_classes=1000000", "Loss.param_dtype=int8", "Optimizer.accumulate_steps=2",
+        "Model.embedding_size=512", "Global.max_steps=3", "Eval.targets=[]"]),
+    "pfc_accum_bf16": ("configs/demo.yaml", [
+        "Loss.num_classes=1000000", "Loss.sample_ratio=0.3", "Loss.param_dtype=bfloat16",
+        "Optimizer.accumulate_steps=2", "Model.embedding_size=512", "Global.max_steps=3",
+        "Eval.targets=[]"]),
+    "unfused_f32": ("configs/demo.yaml", [
+        "Loss.num_classes=500000", "Optimizer.fused_head_update=false",
+        "Model.embedding_size=512", "Global.max_steps=3", "Eval.targets=[]"]),
+    "vit_s": ("configs/demo_vit.yaml", [
+        "Model.name=ViT_S", "Model.embedding_size=512", "Data.image_size=[112,112]",
+        "Data.batch_size=16", "Global.max_steps=3", "Eval.targets=[]"]),
+    "demo_vit": ("configs/demo_vit.yaml", ["Global.max_steps=3"]),
 }
 
 
+def ranks(name):
+    return RUNS[name][2] if len(RUNS[name]) > 2 else 2
+
+
 def overrides(name, out):
-    config, extra = RUNS[name]
+    config, extra = RUNS[name][:2]
     data = os.path.join(out, "demo_data")
     return config, extra + [f"Global.output_dir={os.path.join(out, name)}", f"Data.root={data}",
                             f"Eval.root={data}", "Global.checkpoint=null"]
@@ -47,15 +75,15 @@ def predict(name, out):
     from plsc.config import load_config
     from plsc.train.plan import plan
     config, over = overrides(name, out)
-    p = plan(load_config(os.path.join(ROOT, config), over), 2, "cpu")
+    p = plan(load_config(os.path.join(ROOT, config), over), ranks(name), "cpu")
     return p.total, p.memory
 
 
 def measure(name, out):
-    """(peak RSS of the larger rank, the command) of the launched run."""
+    """(peak RSS of the largest rank, the command) of the launched run."""
     config, over = overrides(name, out)
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
-           os.path.join(out, f"log_{name}"), "--nproc_per_node", "2", "tools/train.py", "-c", config]
+           os.path.join(out, f"log_{name}"), "--nproc_per_node", str(ranks(name)), "tools/train.py", "-c", config]
     for o in over:
         cmd += ["-o", o]
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_rss.py"), "--"]
@@ -63,10 +91,10 @@ def measure(name, out):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     if report["returncode"] != 0:
         raise RuntimeError(f"{name}: the run failed (exit {report['returncode']}): {done.stderr[-2000:]}")
-    ranks = [v for pid, v in report["peak_rss_bytes"].items()
+    peaks = [v for pid, v in report["peak_rss_bytes"].items()
              if "tools/train.py" in report["commands"][pid] and "distributed.launch" not in
              report["commands"][pid]]
-    return max(ranks), " ".join(cmd[1:])
+    return max(peaks), " ".join(cmd[1:])
 
 
 def main(argv=None):
@@ -77,7 +105,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     for name in args.runs:
         predicted, terms = predict(name, args.out)
-        line = {"run": name, "predicted_bytes": predicted,
+        line = {"run": name, "ranks": ranks(name), "predicted_bytes": predicted,
                 "terms": {k: v for k, v in terms.items() if v}}
         if not args.predict_only:
             measured, cmd = measure(name, args.out)

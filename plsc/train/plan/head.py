@@ -146,12 +146,12 @@ def _separate_update(s, device, updated):
     """The gradient arrays of an update after the backward (`SparseRowOptimizer.step`)."""
     d, k = s.d, s.k
     out = {}
-    scaled = 4 * d * updated if device and s.float16_amp else 0  # `grad * grad_scale`
+    if device and s.float16_amp:  # `_apply`'s `grad * grad_scale`, float32
+        out["gradient times the loss scale"] = 4 * d * updated
     if s.rows_used < s.num_local:
         if s.micro > 1:  # `_gradients`: the parts concatenated, then summed per unique row
             out["micro-batches' sampled rows, concatenated and merged"] = (
                 4 * d * k * s.micro * s.rows_used + 4 * d * updated)
-        out["gradient times the loss scale"] = scaled
         return out
     sixteen = s.row_bytes == 2 * d * k  # autograd's gradient is 16-bit; an 8-bit weight's
     per_value = 2 if sixteen else 4  # is float32 (`PartialFC._keep_dense_gradient`)
@@ -166,5 +166,4 @@ def _separate_update(s, device, updated):
         out["weight gradient, float32 upcast for the update"] = 4 * d * k * s.num_local
     if s.micro > 1 and s.row_bytes >= 2 * d * k:
         out["next micro-batch's weight gradient"] = per_value * d * k * s.num_local
-    out["gradient times the loss scale"] = scaled
     return out
