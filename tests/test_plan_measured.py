@@ -1,9 +1,9 @@
 """The planner's measured table and its head workspaces against what the code does: the table
 is benchmarks/measure_backbone_memory.py's output (every row one of its entries, every backbone
-plsc ships measured with and without recompute where it has that option), the pixel scaling the
-planner applies between sizes holds where two sizes are measured, and the separate update's
-gradient arrays (gradient accumulation) are what Paddle's allocator sees a real head's
-optimizer step take."""
+plsc ships measured with and without recompute where it has that option), the pixel scaling
+the planner applies between sizes holds as docs/scaling.md states where two sizes are
+measured, and the separate update's gradient arrays (gradient accumulation) are what Paddle's
+allocator sees a real head's optimizer step take."""
 import plsc  # noqa: F401  (first: its CPU set-up before Paddle runs a product)
 import numpy as np
 import paddle
@@ -47,17 +47,17 @@ def test_every_backbone_has_activations_with_and_without_recompute(name):
             assert points[xs[-1]] > points[xs[0]], (name, key)
 
 
-@pytest.mark.parametrize("name,recompute", [("IResNet100", False), ("ViT_L_DP005_Mask005", True)])
-def test_pixel_scaling_predicts_the_second_measured_size(name, recompute):
-    """The rule that sizes IResNet200's and ViT-H's 112 x 112 activations from 56 x 56:
-    the 112 x 112 row scaled to 56 x 56 against the 56 x 56 measurement (Paddle's allocator
-    within 15 %, the resident set, which malloc's placement moves, within 30 %)."""
-    big = measured.BACKBONES[(name, 112, 112, recompute)]
-    small = measured.BACKBONES[(name, 56, 56, recompute)]
-    for key, tol in (("train_alloc", 0.15), ("train_rss", 0.30)):
-        for b, got in small[key].items():
-            want = measured.at_batch(big[key], b) / 4
-            assert abs(want / got - 1) < tol, (key, b, want, got)
+def test_pixel_scaling_predicts_the_second_measured_size():
+    """The rule that sizes a convolutional backbone's activations at another size (IResNet200's
+    112 x 112 from its 56 x 56): IResNet100's 112 x 112 row scaled to 56 x 56 against its 56 x 56
+    measurement, within the error docs/scaling.md states (the resident set within 20 %,
+    Paddle's allocator, which the rule over-states, between 0 and 50 % high)."""
+    big = measured.BACKBONES[("IResNet100", 112, 112, False)]
+    small = measured.BACKBONES[("IResNet100", 56, 56, False)]
+    for b, got in small["train_rss"].items():
+        assert abs(measured.at_batch(big["train_rss"], b) / 4 / got - 1) < 0.20, b
+    for b, got in small["train_alloc"].items():
+        assert 1.0 <= measured.at_batch(big["train_alloc"], b) / 4 / got < 1.5, b
 
 
 def _peak(fn):
