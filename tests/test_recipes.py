@@ -91,6 +91,8 @@ BEHAVIOURS = {
     "unsampled-centres-frozen": _partial_fc,
     # torch's GradScaler has no floor; plsc's scale stops at 1 (then counts divergence)
     "loss-scale-floor": _float16_scaling,
+    # AdaFace's train_val.py (split_parameters) exempts BatchNorm from weight decay
+    "batchnorm-decayed": lambda cfg, trainer: trainer == "train_val.py",
 }
 
 # What every recipe fixes, so every header must state it (taken from the recipe or differing).
@@ -245,3 +247,17 @@ def test_header_parser_reads_values_and_rejects_malformed_lines(tmp_path):
     bad.write_text("# recipe-value: Optimizer.lr=0.1 (d.py)\nGlobal: {}\n")
     with pytest.raises(AssertionError, match="malformed"):
         read_header(str(bad))
+
+
+def test_the_docs_table_lists_each_configs_declared_differences():
+    """docs/training.md#recipes: one row a config, its `plsc-differs:` lines in header order."""
+    with open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("| config | declared differences |"):]
+    table = table[:table.index("\n\n")]
+    rows = dict(re.findall(r"^\| `(\w+)\.yaml` \| (`.*`) \|$", table, re.M))
+    for name in RECIPE_CONFIGS:
+        _, stated, behaviours = read_header(_path(name))
+        declared = [f"`{k} = {v}`" for k, (kind, v) in stated.items() if kind == "plsc-differs"]
+        declared += [f"`{b}`" for b in behaviours]
+        assert rows.get(name, "").split("; ") == declared, f"docs/training.md: {name}'s row"
