@@ -8,6 +8,7 @@
       -> `depth` pre-norm blocks: x += drop_path(attn(LN(x))); x += drop_path(mlp(LN(x)))
       -> LayerNorm (in float32); the removed tokens come back as the learned mask token
       -> flatten [B, L·D] -> Linear(D, no bias) -> BN -> Linear(embedding, no bias) -> BN
+         (this feature head in float32, also under AMP)
 
 No class token. Attention: qkv without bias, scores, softmax and the product with v in float32
 (also under AMP), output projection with bias. MLP: D -> 4D -> D with ReLU6. Stochastic depth
