@@ -27,7 +27,7 @@ class Plan:
     limit: int  # bytes a rank may take on the profile
     collectives: list
     flops: dict  # backbone, head: FLOPs per step per rank
-    seconds: dict  # compute, communication: per step
+    seconds: dict  # backbone, head, communication: per step at the datasheet rates
     capacity: int  # largest Loss.num_classes that fits, 0 if none
     head_per_class: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -193,7 +193,7 @@ def _seconds(ctx, flops, collectives):
     head_rate = prof.fp32_flops  # the head's GEMMs are float32 whatever the storage
     bw = prof.intra_bw if ctx.ranks <= prof.per_node else prof.inter_bw
     wire = sum(comm.wire_bytes(c, ctx.ranks) for c in collectives)
-    return {"compute": flops["backbone"] / bb_rate + flops["head"] / head_rate,
+    return {"backbone": flops["backbone"] / bb_rate, "head": flops["head"] / head_rate,
             "communication": wire / bw}
 
 
