@@ -140,3 +140,8 @@ def test_statuses_does_not_fit_and_bad_input(tool, capsys):
     assert json.loads(out)["does_not_fit"] in err
     code, out, err = _run(tool, capsys, ["-c", "configs/demo.yaml", "-o", "Loss.no_such_key=1"])
     assert code == CONFIG_ERROR_EXIT_CODE == 2 and out == ""
+    code, out, err = _run(tool, capsys, ["-c", "configs/demo.yaml", "--peer", "arcface_torch_v1"])
+    assert code == CONFIG_ERROR_EXIT_CODE and out == "" and "GPU" in err
+    code, out, err = _run(tool, capsys, ["-c", "configs/arcface_r50.yaml", "--device", "v100-32gb",
+                                         "--peer", "arcface_torch_v1"])
+    assert code == 0 and "head (backward) weight_mom [C, d]" in out

@@ -41,6 +41,9 @@ def parser():
     p.add_argument("--device", default="cpu",
                    choices=("cpu", "v100-32gb", "a100-80gb", "h100-80gb"),
                    help="device profile (default cpu: this machine, peak RSS)")
+    p.add_argument("--peer", default=None, choices=("arcface_torch_v1", "arcface_torch_v2"),
+                   help="plan a peer's head (counted from its code) in place of plsc's, to set "
+                        "beside the peer's published memory (GPU profiles; docs/scaling.md)")
     p.add_argument("--images", type=positive_int, default=None,
                    help="images in the training set, for the time of an epoch (default: the "
                         "published size of the data set with Loss.num_classes classes)")
@@ -57,7 +60,7 @@ def run(cfg, args):
     from plsc.train.plan.report import does_not_fit, figures, render
     ranks = args.ranks if args.ranks is not None else (2 if args.device == "cpu" else 8)
     try:
-        p = plan(cfg, ranks, args.device)
+        p = plan(cfg, ranks, args.device, peer=args.peer)
     except (KeyError, ValueError) as err:  # no measured activations, a bad --ranks
         raise ConfigError(str(err).strip("'\"")) from None
     fig = figures(p, args.images)
