@@ -32,7 +32,7 @@ def main():
                           "error": round(err, 4), "bound": s["bound"],
                           "terms_ms": {k: round(1000 * v, 2) for k, v in s["terms_s"].items()},
                           "source": pub.source}))
-    print(json.dumps({"fitted": {k: round(v, 5) for k, v in fitted.items()},
+    print(json.dumps({"fitted": {k: float(f"{v:.4g}") for k, v in fitted.items()},
                       "in_code": speed.EFFICIENCY, "worst_error": round(worst, 4)}))
 
 
