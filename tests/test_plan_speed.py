@@ -121,7 +121,7 @@ def test_json_round_trips_every_text_figure(tool, capsys, argv):
             if a not in fixed:
                 assert a != b, (line, other)
                 checked += 1
-    assert checked > 50
+    assert checked > 30
 
 
 def test_head_bound_warning_at_the_largest_class_count(tool, capsys):

@@ -71,9 +71,14 @@ def _duration(seconds):
 def _speed_lines(f):
     s = f["speed"]
     terms = ", ".join(f"{k} {1000 * v:.3g} ms" for k, v in s["terms_s"].items())
-    how = ("calibrated: datasheet rates x efficiency factors fitted to published throughputs, "
-           f"within +/-{100 * s['error']:.0f} % of them on 8 x V100" if s["error"] is not None
-           else "this machine's measured rates, not calibrated")
+    if s["error"] is None:
+        how = "this machine's measured rates, not calibrated"
+    elif s["calibrated"]:
+        how = ("datasheet rates x efficiency factors fitted to published throughputs of IResNets "
+               f"on 8 x V100, within +/-{100 * s['error']:.0f} % of them")
+    else:
+        how = ("datasheet rates x efficiency factors fitted to IResNets on 8 x V100; this run is "
+               "outside that and its error is not bounded: an upper bound, see docs/scaling.md")
     lines = [f"speed ({how}):",
              f"  step {1000 * s['step_s']:.3g} ms ({terms}); bound: {s['bound']}",
              f"  images/s: {s['images_per_s']:,.0f} over {f['ranks']} ranks"]

@@ -14,7 +14,7 @@ its own datasheet (an assumption). The cpu profile's rates were measured here: f
 from dataclasses import dataclass
 
 __all__ = ["EFFICIENCY", "ERROR", "CALIBRATION", "HELD_OUT", "Published", "DATASETS",
-           "dataset_images", "step_terms", "speed", "head_bound_at_capacity", "fit"]
+           "dataset_images", "step_terms", "calibrated", "speed", "head_bound_at_capacity", "fit"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,13 @@ def step_terms(p, efficiency=None):
             "communication": s["communication"], "overhead": e["step_overhead_s"]}
 
 
+def calibrated(p):
+    """Whether plan `p` is of the kind the factors were fitted on: an IResNet on one node of
+    V100s (elsewhere the error is not bounded: docs/scaling.md)."""
+    return (p.profile.name == "v100-32gb" and p.ranks <= p.profile.per_node
+            and p.config["Model"]["name"].startswith("IResNet"))
+
+
 _BOUND = {"backbone": "backbone compute", "head": "head compute", "communication": "communication",
           "overhead": "per-step overhead"}
 
@@ -147,7 +154,7 @@ def speed(p, images=None, efficiency=None):
     per_step = cfg["Data"]["batch_size"] * cfg["Optimizer"]["accumulate_steps"] * p.ranks
     out = {"step_s": step, "terms_s": terms, "bound": _BOUND[max(terms, key=terms.get)],
            "images_per_s": per_step / step if step else 0.0,
-           "error": ERROR if p.profile.gpu else None}
+           "error": ERROR if p.profile.gpu else None, "calibrated": calibrated(p)}
     data = ("given", images) if images else dataset_images(cfg)
     if data and out["images_per_s"]:
         out["dataset"], out["dataset_images"] = data
