@@ -8,9 +8,9 @@ an epoch (calibrated against published throughputs, the error stated) and the bo
         -o Loss.num_classes=100000000 -o Loss.param_dtype=int8
 
 A configuration that does not fit prints one line on stderr, nothing on stdout (with --json: the
-plan's figures, "fits": false and the line), and exits with status 78: what does not fit and by how much; each change that would make it fit, planned again
-(Partial FC, int8 centres, Model.recompute=true, the largest Data.batch_size that fits, a number
-of ranks); and when no number of ranks would, why more ranks cannot help (on the cpu profile the
+plan's figures, "fits": false and the line), and exits with status 78: what does not fit and by
+how much; each change that would make it fit, planned again (Partial FC, int8 centres,
+Model.recompute=true, the largest Data.batch_size that fits, a number of ranks); and when no number of ranks would, why more ranks cannot help (on the cpu profile the
 ranks share this machine's memory; on a GPU the terms that do not shrink with more ranks, such
 as the backbone's activations, exceed the device; or the classes cannot be split over more
 ranks). Another mistake (a config key, a backbone without measured activations) is one error
