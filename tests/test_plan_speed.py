@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-import scripts
 from plsc.config import load_config
 from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE
 from plsc.train.plan import plan, speed
+from test_plan import _run, tool  # noqa: F401 (tool: the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,17 +68,6 @@ def test_epoch_is_the_published_size_over_images_per_second():
     assert given["epoch_s"] == pytest.approx(1000 / s["images_per_s"])
 
 
-@pytest.fixture(scope="module")
-def tool():
-    return scripts.load("tools/plan.py")
-
-
-def _run(tool, capsys, argv):
-    code = tool.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _numbers(text):
     return re.findall(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:e[+-]\d+)?", text)
 
@@ -110,8 +99,8 @@ def test_json_round_trips_every_text_figure(tool, capsys, argv):
         return x
     changed = render(bump(fig)).splitlines()
     # numbers inside names (e.g. "bucket 3", the profile's datasheet) are not figures
-    names = "\n".join([fig["profile_source"], fig["model"], fig["device"]] + [c["name"] for c in fig["collectives"]]
-                       + list(fig["memory"]) + list(fig["head_per_class"]) + fig["notes"])
+    names = "\n".join([fig["profile_source"], fig["model"], fig["device"]]
+                       + [c["name"] for c in fig["collectives"]] + list(fig["memory"]) + list(fig["head_per_class"]) + fig["notes"])
     fixed = set(_numbers(names)) | {"0", "8"}  # "rank 0", "8 x V100": the template's words
     lines = text.splitlines()
     assert len(lines) == len(changed)

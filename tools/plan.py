@@ -10,10 +10,11 @@ an epoch (calibrated against published throughputs, the error stated) and the bo
 A configuration that does not fit prints one line on stderr, nothing on stdout (with --json: the
 plan's figures, "fits": false and the line), and exits with status 78: what does not fit and by
 how much; each change that would make it fit, planned again (Partial FC, int8 centres,
-Model.recompute=true, the largest Data.batch_size that fits, a number of ranks); and when no number of ranks would, why more ranks cannot help (on the cpu profile the
-ranks share this machine's memory; on a GPU the terms that do not shrink with more ranks, such
-as the backbone's activations, exceed the device; or the classes cannot be split over more
-ranks). Another mistake (a config key, a backbone without measured activations) is one error
+Model.recompute=true, the largest Data.batch_size that fits, a number of ranks); and when no
+number of ranks would, why more ranks cannot help (on the cpu profile the ranks share this
+machine's memory; on a GPU the terms that do not shrink with more ranks, such as the backbone's
+activations, exceed the device; or the classes cannot be split over more ranks). A bad input
+(a config key, a backbone without measured activations, --peer on the cpu profile) is one error
 line and status 2. docs/scaling.md explains the model and its checks.
 """
 import argparse
