@@ -100,7 +100,8 @@ def test_json_round_trips_every_text_figure(tool, capsys, argv):
     changed = render(bump(fig)).splitlines()
     # numbers inside names (e.g. "bucket 3", the profile's datasheet) are not figures
     names = "\n".join([fig["profile_source"], fig["model"], fig["device"]]
-                       + [c["name"] for c in fig["collectives"]] + list(fig["memory"]) + list(fig["head_per_class"]) + fig["notes"])
+                       + [c["name"] for c in fig["collectives"]] + list(fig["memory"])
+                       + list(fig["head_per_class"]) + fig["notes"])
     fixed = set(_numbers(names)) | {"0", "8"}  # "rank 0", "8 x V100": the template's words
     lines = text.splitlines()
     assert len(lines) == len(changed)
