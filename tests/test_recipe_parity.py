@@ -130,3 +130,9 @@ def test_pfc_trainer_path_updates_the_replayed_rows_only(parity, tmp_path):
     np.save(tmp_path / "sampled.npy", sampled)
     with pytest.raises(RuntimeError, match="step 0: the Trainer drew other centres"):
         parity.train_plsc(args, parity.CASES[PFC], str(tmp_path), [1e-3, 2e-4])
+
+
+def test_pfc_case_is_one_rank_only(parity):
+    with pytest.raises(SystemExit) as e:
+        parity.main(["--ranks", "2", "--case", PFC, "--torch-python", "x", "--arcface-torch", "y"])
+    assert e.value.code == 2
