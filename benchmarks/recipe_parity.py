@@ -85,6 +85,16 @@ CASES = {
         loss={"margin": "cosface", "scale": 64.0, "m3": 0.4, "sample_ratio": 1.0},
         # stochastic depth and token masking off on both sides: their draws cannot be shared
         model={"drop_path_rate": 0.0, "mask_ratio": 0.0}),
+    # configs/arcface_r50.yaml's and configs/cosface_r100.yaml's backbone, head and optimizer
+    # (the test checks them against the configs), at 100 classes
+    "arcface_r50": dict(
+        network="r50", num_classes=100, optimizer="sgd", lr=0.1, weight_decay=5e-4,
+        loss={"margin": "arcface", "scale": 64.0, "m2": 0.5, "straight_through": True},
+        model={}, config="configs/arcface_r50.yaml"),
+    "cosface_r100": dict(
+        network="r100", num_classes=100, optimizer="sgd", lr=0.1, weight_decay=5e-4,
+        loss={"margin": "cosface", "scale": 64.0, "m3": 0.4, "sample_ratio": 1.0},
+        model={}, config="configs/cosface_r100.yaml"),
     # configs/wf42m_vit_t_pfc03.yaml's head and optimizer (the test checks them against it):
     # Partial FC 0.3 with AdamW. plsc updates the sampled centres only, train_v2.py's AdamW
     # every centre: the torch runs skip the unsampled rows (recipe_parity_torch.py's

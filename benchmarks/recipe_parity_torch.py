@@ -52,6 +52,8 @@ CASES = {
     "iresnet18_arcface": ("r18", (1.0, 0.5, 0.0), "sgd", 0.1, 5e-4, 100, 1.0),
     "iresnet50_cosface_pfc": ("r50", (1.0, 0.0, 0.4), "sgd", 0.1, 5e-4, 200, 1.0),
     "vit_t_adamw": ("vit_t", (1.0, 0.0, 0.4), "adamw", 1e-3, 0.1, 100, 1.0),
+    "arcface_r50": ("r50", (1.0, 0.5, 0.0), "sgd", 0.1, 5e-4, 100, 1.0),
+    "cosface_r100": ("r100", (1.0, 0.0, 0.4), "sgd", 0.1, 5e-4, 100, 1.0),
     "wf42m_vit_t_pfc03": ("vit_t", (1.0, 0.0, 0.4), "adamw", 1e-3, 0.1, 100, 0.3),
 }
 SCALE = 64.0  # train_v2.py: CombinedMarginLoss(64, *margin_list, ...)

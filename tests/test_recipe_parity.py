@@ -47,28 +47,52 @@ def test_ranks_need_an_even_split(parity):
 PFC = "wf42m_vit_t_pfc03"
 
 
-def test_pfc_case_is_the_shipped_config(parity):
-    # the case's head and optimizer are configs/wf42m_vit_t_pfc03.yaml's (tests/test_recipes.py
-    # holds that config to arcface_torch's recipe), and the torch side's table says the same
+NAMED = ["arcface_r50", "cosface_r100", PFC]
+
+
+def _torch_table():
+    """recipe_parity_torch.py's CASES, read without importing torch."""
     import ast
-    import yaml
     from scripts import ROOT
-    spec = parity.CASES[PFC]
-    with open(f"{ROOT}/{spec['config']}") as f:
-        cfg = yaml.safe_load(f)
-    assert cfg["Model"]["name"].startswith(spec["network"] + "_")  # vit_t_dp005_mask0
-    for key in ("margin", "scale", "m3", "sample_ratio"):
-        assert spec["loss"][key] == cfg["Loss"][key], key
-    o = cfg["Optimizer"]
-    assert (spec["optimizer"], spec["lr"], spec["weight_decay"]) == \
-        (o["name"], o["lr"], o["weight_decay"])
-    assert o["betas"] == [0.9, 0.999] and o["grad_clip"] == 5.0  # what plsc_config sets
     with open(f"{ROOT}/benchmarks/recipe_parity_torch.py") as f:
         tree = ast.parse(f.read())
-    table = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                 and getattr(n.targets[0], "id", None) == "CASES")
-    assert table[PFC] == ("vit_t", (1.0, 0.0, cfg["Loss"]["m3"]), "adamw", o["lr"],
-                          o["weight_decay"], spec["num_classes"], cfg["Loss"]["sample_ratio"])
+    return next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", None) == "CASES")
+
+
+@pytest.mark.parametrize("case", NAMED)
+def test_named_case_is_the_shipped_config(parity, case):
+    # a case named after a config trains that config's backbone, head and optimizer
+    # (tests/test_recipes.py holds the config to arcface_torch's recipe), and the torch side's
+    # table says the same
+    import yaml
+    from plsc.models import resolve_name
+    from scripts import ROOT
+    spec = parity.CASES[case]
+    assert spec["config"] == f"configs/{case}.yaml"
+    with open(f"{ROOT}/{spec['config']}") as f:
+        cfg = yaml.safe_load(f)
+    name = resolve_name(cfg["Model"]["name"])  # wf42m: ViT_T_DP005_Mask0, drop path set to 0
+    assert name.split("_DP")[0] == resolve_name(spec["network"])
+    loss, o = cfg["Loss"], cfg["Optimizer"]
+    for key, value in spec["loss"].items():
+        assert loss.get(key, 1.0 if key == "sample_ratio" else None) == value, key
+    assert (spec["optimizer"], spec["lr"], spec["weight_decay"]) == \
+        (o["name"], o["lr"], o["weight_decay"])
+    if o["name"] == "sgd":
+        assert o["momentum"] == 0.9  # what plsc_config sets
+    else:
+        assert o["betas"] == [0.9, 0.999]
+    assert o["grad_clip"] == 5.0
+    margin = {"arcface": (1.0, loss.get("m2"), 0.0), "cosface": (1.0, 0.0, loss.get("m3"))}
+    assert _torch_table()[case] == (
+        spec["network"], margin[loss["margin"]], o["name"], o["lr"], o["weight_decay"],
+        spec["num_classes"], loss.get("sample_ratio", 1.0))
+
+
+def test_torch_side_samples_as_the_cases_say(parity):
+    table = _torch_table()
+    assert set(table) == set(parity.CASES)
     assert all(row[6] == parity.CASES[name]["loss"].get("sample_ratio", 1.0)
                for name, row in table.items())
 
