@@ -27,6 +27,17 @@ to the recipe:
   used, and set into plsc's schedule, so the comparison does not depend on plsc's own schedule
   options.
 
+Partial FC below 1 (`wf42m_vit_t_pfc03`: sample rate 0.3, AdamW): plsc updates the sampled
+centres only (value, moments, decay and each row's step count), arcface_torch's `PartialFC_V2`
+leaves every centre to `train_v2.py`'s optimizer, which moves an unsampled one by its moments
+and decays it. The comparison accounts for that: the torch side first writes the weights and
+batches, this script computes the centres plsc's head draws for those labels
+(`sampled_centres`, saved as `sampled.npy`), the torch runs replay them in `PartialFC_V2.sample`
+and update the head with torch's AdamW skipping the unsampled rows (`SampledRowsAdamW` there),
+and plsc's Trainer is checked to draw exactly those centres at every step. A fourth torch run,
+t32r (float32, the recipe's AdamW over every centre), is reported against t64 as
+`recipe_every_row`: the size of the difference set aside. One rank only.
+
 With `--ranks 2` both sides run arcface_torch's recipe on 2 ranks: plsc's Trainer on 2 ranks
 launched for real (`python -m paddle.distributed.launch --nproc_per_node 2` on this file's
 `--worker` entry), rank r training on samples [r·B/2, (r+1)·B/2) of every batch of B (the
@@ -74,6 +85,24 @@ CASES = {
         loss={"margin": "cosface", "scale": 64.0, "m3": 0.4, "sample_ratio": 1.0},
         # stochastic depth and token masking off on both sides: their draws cannot be shared
         model={"drop_path_rate": 0.0, "mask_ratio": 0.0}),
+    # configs/arcface_r50.yaml's and configs/cosface_r100.yaml's backbone, head and optimizer
+    # (the test checks them against the configs), at 100 classes
+    "arcface_r50": dict(
+        network="r50", num_classes=100, optimizer="sgd", lr=0.1, weight_decay=5e-4,
+        loss={"margin": "arcface", "scale": 64.0, "m2": 0.5, "straight_through": True},
+        model={}, config="configs/arcface_r50.yaml"),
+    "cosface_r100": dict(
+        network="r100", num_classes=100, optimizer="sgd", lr=0.1, weight_decay=5e-4,
+        loss={"margin": "cosface", "scale": 64.0, "m3": 0.4, "sample_ratio": 1.0},
+        model={}, config="configs/cosface_r100.yaml"),
+    # configs/wf42m_vit_t_pfc03.yaml's head and optimizer (the test checks them against it):
+    # Partial FC 0.3 with AdamW. plsc updates the sampled centres only, train_v2.py's AdamW
+    # every centre: the torch runs skip the unsampled rows (recipe_parity_torch.py's
+    # SampledRowsAdamW) on plsc's draw of centres; t32r is the recipe's every-row update.
+    "wf42m_vit_t_pfc03": dict(
+        network="vit_t", num_classes=100, optimizer="adamw", lr=1e-3, weight_decay=0.1,
+        loss={"margin": "cosface", "scale": 64.0, "m3": 0.4, "sample_ratio": 0.3},
+        model={"drop_path_rate": 0.0, "mask_ratio": 0.0}, config="configs/wf42m_vit_t_pfc03.yaml"),
 }
 BOUND = 4.0  # issue 46: plsc's distance to float64 at most 4x float32 torch's own
 
@@ -98,6 +127,9 @@ def polynomial_lr_warmup(base_lr, warmup, total, steps, power=1.0):
 
 
 def run_torch(args, case, out):
+    """The torch runs. With Partial FC below 1 in two stages: the weights and batches first,
+    then plsc's draw of centres for those labels (`sampled_centres`) into `sampled.npy`, then
+    the runs, which take each step's centres from it."""
     cmd = [args.torch_python, TORCH_SIDE, "--arcface-torch", args.arcface_torch, "--case", case,
            "--steps", str(args.steps), "--batch", str(args.batch), "--warmup", str(args.warmup),
            "--total", str(args.total), "--seed", str(args.seed), "--out", out]
@@ -105,12 +137,36 @@ def run_torch(args, case, out):
         cmd += ["--ranks", str(args.ranks)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    ratio = CASES[case]["loss"].get("sample_ratio", 1.0)
+    if ratio < 1:
+        if args.ranks != 1:
+            raise RuntimeError(f"{case}: Partial FC below 1 is compared on one rank")
+        _torch_stage(cmd + ["--stage", "prepare"])
+        labels = np.load(os.path.join(out, "labels.npy"))
+        sampled = sampled_centres(labels, CASES[case]["num_classes"], ratio, args.seed)
+        np.save(os.path.join(out, "sampled.npy"), sampled)
+        cmd += ["--stage", "train", "--sampled", os.path.join(out, "sampled.npy")]
+    _torch_stage(cmd)
+    with open(os.path.join(out, "torch.json")) as f:
+        return json.load(f)
+
+
+def _torch_stage(cmd):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"the torch side failed ({res.returncode}):\n{res.stderr[-4000:]}")
-    with open(os.path.join(out, "torch.json")) as f:
-        return json.load(f)
+
+
+def sampled_centres(labels, num_classes, ratio, seed):
+    """`[steps, num_sample]` int64: the centres plsc's one-rank head draws at each step for
+    these labels (`plsc.nn.sampling.sample_centres` with the head's seed, step and rank 0, as
+    `PartialFC` calls it); `train_plsc` checks that its Trainer drew exactly these."""
+    import plsc  # noqa: F401  -- before paddle, as in train_plsc
+    import paddle
+    from plsc.nn.sampling import sample_centres
+    return np.stack([sample_centres(paddle.to_tensor(lab), num_classes, ratio, seed, step,
+                                    0)[0].numpy() for step, lab in enumerate(labels)])
 
 
 def plsc_config(args, spec, work):
@@ -242,12 +298,18 @@ def train_plsc(args, spec, work, lrs):
         trainer.head.train()
         images = np.load(os.path.join(work, "images.npy"), mmap_mode="r")
         labels = np.load(os.path.join(work, "labels.npy"))
+        sampled_file = os.path.join(work, "sampled.npy")
+        sampled = np.load(sampled_file) if head.sample_ratio < 1 else None
         losses, used = [], []
         for step in range(args.steps):
             used.append(trainer.lr.last_lr)
             img = paddle.to_tensor(np.ascontiguousarray(images[step][part]))
             lab = paddle.to_tensor(np.ascontiguousarray(labels[step][part]))
             losses.append(float(trainer.train_step([(img, lab)])))
+            if sampled is not None and not np.array_equal(head.sampled_index.numpy(),
+                                                          sampled[step]):
+                raise RuntimeError(f"step {step}: the Trainer drew other centres than "
+                                   f"{sampled_file} (the torch runs')")
         final = plsc_to_insightface(trainer.backbone)
         head_rows = trainer.head.weight.numpy()
         o, loss, m = cfg["Optimizer"], cfg["Loss"], cfg["Model"]
@@ -365,6 +427,7 @@ def run_case(args, case):
                    args.warmup, "total_iters": args.total, "power": 1.0,
                    "first": lrs[:args.warmup + 2]},
             "options": options,
+            **_every_row(tor, work, l64, t64, head64, init, init_head),
             "seconds": {"torch_t32_and_t64": None if reused else round(t_torch, 1),
                         "plsc": round(t_plsc, 1)},
             "versions": {"torch": tor["torch"], "paddle": _paddle_version(),
@@ -381,6 +444,23 @@ def run_case(args, case):
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _every_row(tor, work, l64, t64, head64, init, init_head):
+    """Partial FC: how far t32r (train_v2.py's AdamW on every centre, the recipe) ends from
+    t64 (unsampled rows skipped), beside t32's float32 rounding: the size of the difference
+    that skipping the unsampled rows accounts for. Empty for the other cases."""
+    if "t32r" not in tor:
+        return {}
+    t32r = dict(np.load(os.path.join(work, "final_t32r.npz")))
+    head = {"w": t32r.pop("head.weight")}
+    loss = np.abs(np.array(tor["t32r"]["losses"]) - l64)
+    return {"recipe_every_row": {
+        "what": "t32r: train_v2.py's AdamW on every centre (moments and decay), float32, "
+                "against t64 (unsampled centres skipped)",
+        "loss_abs_diff": _summary(loss),
+        "final_weights_rel_l2": {"backbone": distances(t32r, t64, init)[0],
+                                 "head": distances(head, head64, {"w": init_head})[0]}}}
 
 
 def _torch_args(args):
@@ -411,7 +491,7 @@ def main(argv=None):
     ap.add_argument("--torch-python", help="a Python interpreter with torch (and timm for ViTs)")
     ap.add_argument("--arcface-torch", help="insightface's recognition/arcface_torch folder")
     ap.add_argument("--case", action="append", choices=sorted(CASES),
-                    help="repeat for several; default: all three")
+                    help="repeat for several; default: all")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=5, help="PolynomialLRWarmup's warmup_iters")
@@ -437,8 +517,11 @@ def main(argv=None):
         print(json.dumps({"benchmark": "recipe_parity", "status": "not run",
                           "reason": "needs --torch-python and --arcface-torch"}))
         return 0
+    one_rank = [c for c in CASES if CASES[c]["loss"].get("sample_ratio", 1.0) < 1]
+    if args.ranks != 1 and set(args.case or ()) & set(one_rank):
+        ap.error(f"{', '.join(one_rank)}: one rank only (Partial FC below 1)")
     status = 0
-    for case in args.case or list(CASES):
+    for case in args.case or [c for c in CASES if args.ranks == 1 or c not in one_rank]:
         report = run_case(args, case)
         print(json.dumps(report), flush=True)
         status |= 0 if report["within_bound"]["ok"] else 1

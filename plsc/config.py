@@ -280,6 +280,9 @@ SCHEMA = {
         "dtype": _k(str, "float16", "float16 (dynamic loss scaling) or bfloat16",
                     choices=("float16", "bfloat16")),
         "init_loss_scaling": _k(NUM, 65536.0, "float16: initial loss scale"),
+        "incr_every_n_steps": _k(int, 2000, "float16: good steps in a row after which the loss "
+                                 "scale doubles (torch's GradScaler growth_interval; "
+                                 "arcface_torch's train_v2.py: 100)", low=1),
     },
     "Eval": {
         "root": _k(str, None, "directory holding the verification packs (<target>.bin)",

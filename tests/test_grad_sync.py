@@ -10,7 +10,7 @@ import pytest
 
 from grad_sync_ranks import SHAPES, WIRES, extra_values, local_gradients
 from trainer_common import make_backbone, make_data
-from plsc.train.grad_sync import OverlappedSum
+from plsc.train.grad_sync import OverlappedSum, sum_gradients
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,6 +59,31 @@ def test_an_all_reduce_failing_in_the_backward_is_raised_by_finish(monkeypatch):
 def test_a_wire_dtype_outside_the_three_is_refused():
     with pytest.raises(ValueError, match="float16"):
         OverlappedSum(paddle.nn.Linear(2, 2).parameters(), dtype="int8")
+
+
+@pytest.mark.parametrize("how", ["overlapped", "after"])
+@pytest.mark.parametrize("wire", ["float16", "bfloat16", "float32"])
+def test_one_rank_rounds_the_gradients_as_a_one_rank_all_reduce(how, wire):
+    """One process, a 16-bit wire: each gradient comes back as the 1-rank all-reduce of that
+    dtype returns it (arcface_torch's fp16 hook on one GPU): numpy's round trip of the float32
+    values, bit for bit (float16 beyond 65504: inf); float32: untouched. `extra` untouched."""
+    layers = paddle.nn.Sequential(paddle.nn.Linear(40, 30), paddle.nn.Linear(30, 7))
+    rng = np.random.default_rng(5)
+    grads = [(rng.standard_normal(p.shape) * 10.0 ** rng.integers(-9, 5, p.shape)).astype(np.float32)
+             for p in layers.parameters()]
+    grads[-1][0] = 70000.0  # beyond float16's range
+    for p, g in zip(layers.parameters(), grads):
+        p.grad = paddle.to_tensor(g)
+    extra = paddle.to_tensor([1.0 / 3.0, 70000.0])
+    if how == "overlapped":
+        gs = OverlappedSum(layers.parameters(), dtype=wire, bucket_bytes=1000)
+        gs.arm()
+        out = gs.finish(extra)
+    else:
+        out = sum_gradients(list(layers.parameters()), extra=extra, dtype=wire)
+    for p, g in zip(layers.parameters(), grads):
+        np.testing.assert_array_equal(p.grad.numpy().view(np.uint32), round_to(g, wire).view(np.uint32))
+    np.testing.assert_array_equal(out.numpy(), np.float32([1.0 / 3.0, 70000.0]))
 
 
 # ---- 2 ranks

@@ -2,7 +2,7 @@
 training step on 2, 3 and 4 gloo ranks (counted at Paddle's collective entry points while the
 step runs, tests/plan_ranks.py), the head's bytes per class against the arrays a real head and
 optimizer allocate, and tools/plan.py's command line (a plan, a configuration that does not fit:
-one line, exit status 2): every shipped config on every device profile plans or says so in that
+one line, exit status 78; a bad input stays 2): every shipped config on every device profile plans or says so in that
 line, each fix it names fits when planned again, and where it says more ranks cannot help, the
 term it names does not shrink with more ranks."""
 import dataclasses
@@ -16,6 +16,7 @@ import pytest
 
 import scripts
 from plan_ranks import CASES
+from plsc.process.exits import CONFIG_ERROR_EXIT_CODE, DOES_NOT_FIT_EXIT_CODE
 from plsc.train.plan.devices import PROFILES
 from trainer_common import config, make_data
 
@@ -84,7 +85,7 @@ def test_tool_plans_the_demo_and_refuses_what_does_not_fit(data):
     assert "features all-gather" in done.stdout
     done = _tool("-c", "configs/demo.yaml", "-o", f"Data.root={data}", "-o",
                  "Loss.num_classes=400000000", "--device", "v100-32gb", "--ranks", "8")
-    assert done.returncode == 2 and done.stdout == ""
+    assert done.returncode == DOES_NOT_FIT_EXIT_CODE and done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "does not fit" in lines[0] and "over" in lines[0]
@@ -95,7 +96,7 @@ def test_tool_help_shows_three_examples_and_what_does_not_fit_prints():
     done = _tool("--help")
     assert done.returncode == 0
     assert done.stdout.count("python tools/plan.py -c") == 3
-    assert "status 2" in done.stdout and "more ranks cannot help" in done.stdout
+    assert f"status {DOES_NOT_FIT_EXIT_CODE}" in done.stdout and "more ranks cannot help" in done.stdout
 
 
 def test_peer_head_bytes_equal_a_direct_count_of_its_arrays():
@@ -140,9 +141,9 @@ def _run(tool, capsys, argv):
 
 
 def _fits(tool, capsys, argv):
-    """The planner's own verdict on `argv`: status 0 (plans) or 2 with its one line."""
+    """The planner's own verdict on `argv`: status 0 (plans) or 78 with its one line."""
     code, out, err = _run(tool, capsys, argv)
-    assert code in (0, 2) and (code == 0) == ("largest Loss.num_classes that fits" in out), err
+    assert code in (0, DOES_NOT_FIT_EXIT_CODE) and (code == 0) == ("largest Loss.num_classes that fits" in out), err
     return code == 0
 
 
@@ -202,7 +203,7 @@ def _check_stop(config_path, argv, line):
                          ids=[f"{os.path.basename(c)}{'-' + '-'.join(a) if a else ''}"
                               for c, a in MATRIX])
 def test_every_shipped_config_plans_or_says_in_one_line_why_not(tool, capsys, config_path, argv):
-    """Status 0 and a plan, or status 2, nothing on stdout and one line on stderr: "does not
+    """Status 0 and a plan, or status 78, nothing on stdout and one line on stderr: "does not
     fit", each fix it says fits planned again (fits; the batch size is the largest that does),
     and where more ranks cannot help, the reason checked (see _check_stop)."""
     argv = ["-c", config_path] + argv
@@ -211,7 +212,7 @@ def test_every_shipped_config_plans_or_says_in_one_line_why_not(tool, capsys, co
         assert "largest Loss.num_classes that fits" in out and "error" not in err
         return
     lines = [x for x in err.splitlines() if x.strip()]
-    assert code == 2 and out == "" and len(lines) == 1, err
+    assert code == DOES_NOT_FIT_EXIT_CODE and out == "" and len(lines) == 1, err
     line = lines[0]
     assert line.startswith("error: does not fit: rank 0 needs"), line
     for fix, _ in _fixes(line):
@@ -232,7 +233,7 @@ def test_a_batch_no_rank_count_holds_names_the_activations_and_the_fixes(tool, c
     argv = ["-c", "configs/arcface_r50.yaml", "--device", "v100-32gb", "-o",
             "Data.batch_size=1024"]
     code, _, err = _run(tool, capsys, argv)
-    assert code == 2
+    assert code == DOES_NOT_FIT_EXIT_CODE
     assert "the largest: backbone activations" in err
     assert _check_stop("configs/arcface_r50.yaml", argv, err.strip()) == "kept"
     fixes = dict(_fixes(err))
@@ -245,7 +246,7 @@ def test_on_this_machine_more_ranks_share_it_and_fewer_are_tried(tool, capsys):
     not fit, 1 rank does (the line says --ranks 1, which plans)."""
     argv = ["-c", "configs/arcface_r50.yaml"]
     code, _, err = _run(tool, capsys, argv)
-    assert code == 2 and "the ranks share this machine's" in err
+    assert code == DOES_NOT_FIT_EXIT_CODE and "the ranks share this machine's" in err
     assert "--ranks 1" in dict(_fixes(err))
     assert _fits(tool, capsys, argv + ["--ranks", "1"])
 
@@ -267,7 +268,7 @@ def test_the_search_stops_at_a_class_count_the_ranks_cannot_split(tool, capsys, 
     for o in over:
         argv += ["-o", o]
     code, _, err = _run(tool, capsys, argv)
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert code == DOES_NOT_FIT_EXIT_CODE and len(err.strip().splitlines()) == 1, err
     assert "more ranks cannot help: 10 classes cannot be split over 8 ranks" in err
     assert _check_stop("configs/demo.yaml", argv, err.strip()) == "classes"
 
@@ -288,7 +289,7 @@ def test_the_issue_commands_end_without_a_traceback():
                  ["-c", "configs/glint360k_r100_pfc.yaml", "--device", "v100-32gb", "-o",
                   "Data.batch_size=1024"]):
         done = _tool(*args)
-        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.returncode == DOES_NOT_FIT_EXIT_CODE and done.stdout == "", done.stderr
         assert "Traceback" not in done.stderr
         assert [x for x in done.stderr.splitlines() if x.startswith("error:")] == [
             next(x for x in done.stderr.splitlines() if x.startswith("error: does not fit"))]

@@ -78,7 +78,8 @@ def all_reduce_(x, op="sum", group=None):
 def start_sum(x, wire="float32", group=None):
     """Start summing the float32 tensor `x` over the ranks of `group` with `wire` values on the
     wire; returns `wait()`, which waits and returns the sum as float32 (for float32: `x`
-    itself, summed in place). One process: `x`, nothing rounded.
+    itself, summed in place). One process: `x`, rounded to `wire` and back as a one-rank
+    all-reduce of `wire` values returns it (float32: nothing rounded).
 
     float16 or bfloat16: each rank sends `x` rounded to nearest `wire` and receives the sum
     in `wire` (a `wire` all-reduce: half the bytes of float32's on any number of ranks).
@@ -90,8 +91,12 @@ def start_sum(x, wire="float32", group=None):
     all-gather then moves half float32's bytes too, on 4 ranks as many, beyond that more."""
     if wire not in WIRE_DTYPES:
         raise ValueError(f"wire must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
-    if group_rank_size(group)[1] == 1:
+    if wire == "float32" and group_rank_size(group)[1] == 1:
         return lambda: x
+    if group_rank_size(group)[1] == 1:
+        with paddle.no_grad():
+            rounded = x.astype(wire).astype("float32")
+        return lambda: rounded
     if wire == "float32":
         task = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, sync_op=False)
 

@@ -5,8 +5,8 @@ from paddle import nn
 from . import blocked
 from .batchnorm import BatchNorm2D
 from .conv import Conv2D
-from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, linear_default_attrs,
-                     normal_attr)
+from .layers import (FrozenScaleBatchNorm1D, as_hw, count_parameters, halve, in_float32,
+                     linear_default_attrs, normal_attr)
 from .prelu import PReLU
 from .recompute import run_blocks
 from ..process import cpu_setup
@@ -135,7 +135,7 @@ class IResNet(nn.Layer):
         if blocked.is_blocked(x):
             x = blocked.to_plain(x)
         x = paddle.flatten(self.dropout(x), start_axis=1)
-        return self.features(self.fc(x))
+        return in_float32(lambda v: self.features(self.fc(v)), x)  # as arcface_torch's fp16
 
     def num_parameters(self, trainable_only=False):
         """Weight count, without BatchNorm running statistics."""

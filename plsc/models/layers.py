@@ -47,6 +47,16 @@ def linear_default_attrs(fan_in):
                  for _ in range(2))
 
 
+def in_float32(fn, x):
+    """`fn(x)` in float32 under autocast: `x` cast up from 16 bits and autocast off inside, as
+    arcface_torch's backbones run their embedding layers under fp16 (IResNet's
+    `self.fc(x.float() if self.fp16 else x)`). Without AMP, `fn(x)`."""
+    if x.dtype != paddle.float32:
+        x = x.astype("float32")
+    with paddle.amp.auto_cast(enable=False):
+        return fn(x)
+
+
 class FrozenScaleBatchNorm1D(nn.Layer):
     """BatchNorm1D over the embedding with its scale frozen at 1 and a learnt shift.
 

@@ -4,7 +4,7 @@ from paddle import nn
 
 from .batchnorm import BatchNorm1D, BatchNorm2D
 from .conv import Conv2D
-from .layers import ConvBNPReLU, as_hw, count_parameters, halve, kaiming_fan_out_attr
+from .layers import ConvBNPReLU, as_hw, count_parameters, halve, in_float32, kaiming_fan_out_attr
 from ..process import cpu_setup
 
 __all__ = ["MobileFaceNet", "mobilefacenet_large"]
@@ -109,7 +109,8 @@ class MobileFaceNet(nn.Layer):
         self.features = GDC(512, self.feature_map_size, self.embedding_size)
 
     def forward(self, x):
-        return self.features(self.conv_sep(self.layers(x)))
+        # conv_sep and the GDC embedding in float32 under AMP, as arcface_torch's fp16
+        return in_float32(lambda v: self.features(self.conv_sep(v)), self.layers(x))
 
     def num_parameters(self, trainable_only=False):
         """Weight count, without BatchNorm running statistics."""

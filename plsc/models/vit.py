@@ -8,6 +8,7 @@
       -> `depth` pre-norm blocks: x += drop_path(attn(LN(x))); x += drop_path(mlp(LN(x)))
       -> LayerNorm (in float32); the removed tokens come back as the learned mask token
       -> flatten [B, L·D] -> Linear(D, no bias) -> BN -> Linear(embedding, no bias) -> BN
+         (this feature head in float32, also under AMP)
 
 No class token. Attention: qkv without bias, scores, softmax and the product with v in float32
 (also under AMP), output projection with bias. MLP: D -> 4D -> D with ReLU6. Stochastic depth
@@ -37,7 +38,7 @@ from .batchnorm import BatchNorm1D
 from .conv import Conv2D
 from .gather import take_rows_per_sample
 from .heads import split_heads, takes_heads_path
-from .layers import as_hw, count_parameters, linear_default_attrs
+from .layers import as_hw, count_parameters, in_float32, linear_default_attrs
 from .linear import Linear
 from .linear_relu6 import linear_relu6, takes_linear_relu6_path
 from .permute import permute
@@ -324,7 +325,8 @@ class VisionTransformer(nn.Layer):
         return x.flatten(1)
 
     def forward(self, x):
-        return self.feature(self.forward_features(x))
+        # the feature head in float32 under AMP: arcface_torch runs it outside autocast
+        return in_float32(self.feature, self.forward_features(x))
 
     def num_parameters(self, trainable_only=False):
         """Weight count, without BatchNorm running statistics."""

@@ -1,12 +1,17 @@
 """Dynamic loss scaling for float16 training, agreed across ranks."""
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "build_loss_scaler"]
 
 
 class LossScaler:
     """Multiply the loss by `scale`; after a step whose gradients are not all
-    finite (on any rank) skip the update and halve the scale; after
-    `growth_interval` good steps in a row double it. Disabled: scale 1, no checks."""
+    finite (on any rank) skip the update and multiply the scale by `backoff_factor`; after
+    `growth_interval` good steps in a row multiply it by `growth_factor`. Disabled: scale 1,
+    no checks. The defaults are torch's GradScaler's (AMP.incr_every_n_steps sets the
+    interval); unlike torch's, the scale stops at `min_scale`."""
+
+    growth_factor = 2.0
+    backoff_factor = 0.5
 
     def __init__(self, enabled, init_scale=65536.0, growth_interval=2000, min_scale=1.0):
         self.enabled = bool(enabled)
@@ -21,13 +26,13 @@ class LossScaler:
         if not self.enabled:
             return True
         if not finite:
-            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
             self.skipped += 1
             return False
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
-            self.scale *= 2.0
+            self.scale *= self.growth_factor
             self.good_steps = 0
         return True
 
@@ -38,3 +43,9 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.skipped = int(state["skipped"])
+
+
+def build_loss_scaler(amp):
+    """The loss scaler of an `AMP` config section: enabled for float16 AMP only."""
+    return LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"],
+                      amp["incr_every_n_steps"])

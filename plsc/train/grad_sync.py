@@ -17,8 +17,9 @@ hook also divides by the world size before its all-reduce, because DDP averages:
 rank's loss is its local mean. plsc's convention sums (the head's loss is the global-batch
 mean, so each rank's gradient already carries the 1/k), so nothing is divided here: the values
 rounded to 16 bits are those torch's hook sums (torch's local-mean gradient over k), of the
-same magnitude, with the same overflow point. The `extra` values (flags the trainer counts) are
-always summed in float32.
+same magnitude, with the same overflow point. On one rank too the gradients are rounded to
+16 bits and back, as the hook's 1-rank all-reduce does (a recipe's single-GPU run). The `extra`
+values (flags the trainer counts) are always summed in float32.
 """
 import functools
 
@@ -53,7 +54,7 @@ def sum_gradients(params, group=None, extra=None, dtype="float32"):
     the wire. `extra`, a float32 tensor of a few values, rides along in the last bucket (in
     a float32 all-reduce of its own with a 16-bit `dtype`); returns it summed."""
     grads = [p.grad for p in params if p.grad is not None]
-    if pd.group_rank_size(group)[1] == 1:
+    if pd.group_rank_size(group)[1] == 1 and dtype == "float32":
         return extra
     if extra is not None and dtype == "float32":
         grads.append(extra)
@@ -139,8 +140,8 @@ class OverlappedSum:
         if self._error is not None:
             error, self._error, self._sent = self._error, None, {}
             raise error
-        if pd.group_rank_size(self.group)[1] == 1:
-            return extra
+        if pd.group_rank_size(self.group)[1] == 1 and self.dtype == "float32":
+            return extra  # (16 bits: one rank's gradients rounded as a 1-rank all-reduce would)
         for b in range(len(self.buckets)):
             if b not in self._sent:
                 self._send(b)

@@ -22,7 +22,7 @@ from ..parts import build_backbone, load_pretrained
 from ..checkpoint.lock import claim_folder
 from ..embedding import VerificationEvaluator
 from ..fileio import atomic_write
-from .amp import LossScaler
+from .amp import build_loss_scaler
 from .builders import (build_backbone_optimizer, build_head_optimizer, build_margin_from_config,
                        build_train_dataset)
 from .checkpointing import Checkpointing
@@ -141,14 +141,13 @@ class Trainer(Checkpointing, Stopping):
     def _build_optimizers(self, cfg):
         """The learning rate, both optimizers, the backbone's gradient sum, the loss scaler and
         the count of non-finite steps."""
-        amp = cfg["AMP"]
         self.lr = StepLR(self._lr_fn())
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
         # The backbone's gradients are summed across ranks while the backward goes on.
         self.gradient_sum = OverlappedSum(self.backbone.parameters(),
                                           dtype=cfg["Optimizer"]["grad_allreduce_dtype"])
         self.head_opt = build_head_optimizer(cfg, self.lr)
-        self.scaler = LossScaler(amp["enable"] and amp["dtype"] == "float16", amp["init_loss_scaling"])
+        self.scaler = build_loss_scaler(cfg["AMP"])
         self.nonfinite = NonFiniteSteps(cfg["Global"]["max_nonfinite_steps"])
 
     def _open_log(self, cfg):

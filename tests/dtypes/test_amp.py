@@ -112,7 +112,8 @@ def test_the_trainer_runs_the_backbone_inside_autocast_and_the_head_outside(
         layer.forward = forward
     history = trainer.train()
     assert [s for s, _ in history] == [1, 2, 3] and all(math.isfinite(v) for _, v in history)
-    assert cast.calls == [{"enable": True, "dtype": dtype, "level": "O1"}] * 3
+    # each step: the trainer's autocast, and inside it the backbone's float32 embedding layers
+    assert cast.calls == [{"enable": True, "dtype": dtype, "level": "O1"}, {"enable": False}] * 3
     assert seen == {"backbone": [True] * 3, "head": [False] * 3}
 
 
@@ -166,3 +167,55 @@ def test_loss_scaler_skips_halves_and_grows_like_the_rules(tmp_path, data_root, 
         assert np.array_equal(trainer.head.weight.numpy(), head_before) == (not applied)
         assert trainer.nonfinite.run == run
     assert trainer.scaler.skipped == sum(1 for b in pattern if b)
+
+
+class _Seen(Exception):
+    """Raised by the embedding layer's pre-hook once it has recorded its input."""
+
+
+def _embedding_layers(model):
+    """(the layer whose output feeds the float32 part, its first layer, the embedding BN)."""
+    if hasattr(model, "fc"):  # IResNet: bn2 -> flatten -> fc -> features
+        return model.bn2, model.fc, model.features
+    if hasattr(model, "conv_sep"):  # MobileFaceNet: layers -> conv_sep -> GDC(.., linear, BN)
+        return model.layers, model.conv_sep, model.features.features
+    return model.norm, model.feature[0], model.feature[3]  # ViT: norm -> feature head
+
+
+@pytest.mark.parametrize("name,size", [("IResNetTiny", 16), ("MobileFaceNet", 112),
+                                       ("ViTDemo", 32)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_embedding_layers_run_in_float32_under_autocast(monkeypatch, name, size, dtype):
+    """arcface_torch computes the backbone's last fc and the embedding BatchNorm in float32
+    under fp16 (IResNet's `self.fc(x.float() if self.fp16 else x)`, MobileFaceNet's conv_sep
+    and GDC, the ViT's feature head outside autocast). On the CPU Paddle's auto_cast casts
+    nothing and keeps its level at O0, so the 16-bit activations are made by a hook on the
+    layer before, and the O1 level is set on the tracer by hand: the first float32 layer and
+    the embedding BN must see float32 inputs with autocast off (level O0)."""
+    monkeypatch.setenv(KERNELS_ENV, "device")  # Paddle's ops only, as on a GPU
+    model = build_model(name, embedding_size=32, input_size=(size, size), dropout=0.0)
+    model.train()
+    before, first, bn = _embedding_layers(model)
+    tracer = paddle.base.framework._dygraph_tracer()
+    seen = {}
+
+    def record(key, stop):
+        def hook(_layer, inputs):
+            seen[key] = (inputs[0].dtype, tracer._amp_level)
+            if stop:
+                raise _Seen
+        return hook
+
+    before.register_forward_post_hook(lambda _l, _i, out: out.astype(dtype))
+    first.register_forward_pre_hook(record("first", False))
+    bn.register_forward_pre_hook(record("bn", True))
+    with paddle.amp.auto_cast(enable=True, dtype=dtype, level="O1"):
+        state = tracer._amp_level, tracer._amp_dtype
+        tracer._amp_level, tracer._amp_dtype = core.AmpLevel.O1, dtype  # as on a GPU
+        try:
+            with pytest.raises(_Seen):
+                model(paddle.rand([2, 3, size, size]))
+        finally:
+            tracer._amp_level, tracer._amp_dtype = state
+    assert seen == {"first": (paddle.float32, core.AmpLevel.O0),
+                    "bn": (paddle.float32, core.AmpLevel.O0)}

@@ -118,7 +118,7 @@ def fixes(p):
     for section, key, value in _changes(p.config):
         try:
             need, room = predicted(changed(p.config, section, key, value), p.ranks,
-                                   p.profile.name)
+                                   p.profile.name, p.context.peer)
         except KeyError:  # e.g. no measured activations with recompute
             continue
         if need < p.total:

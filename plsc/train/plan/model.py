@@ -10,7 +10,7 @@ import copy
 import inspect
 from dataclasses import dataclass, field
 
-from . import comm, measured
+from . import comm, measured, peer_plan
 from .backbone import backbone_cost, forward_flops
 from .devices import profile as get_profile
 from .head import _probe_head, head_arrays_per_class, head_shape, head_workspace
@@ -27,7 +27,7 @@ class Plan:
     limit: int  # bytes a rank may take on the profile
     collectives: list
     flops: dict  # backbone, head: FLOPs per step per rank
-    seconds: dict  # compute, communication: per step
+    seconds: dict  # backbone, head, communication: per step at the datasheet rates
     capacity: int  # largest Loss.num_classes that fits, 0 if none
     head_per_class: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -51,8 +51,8 @@ class _Context:
     """What does not change with the class count: the probe head, the backbone's cost, the
     measured activations, the head's bytes per class."""
 
-    def __init__(self, cfg, ranks, prof):
-        self.ranks, self.profile = ranks, prof
+    def __init__(self, cfg, ranks, prof, peer=None):
+        self.ranks, self.profile, self.peer = ranks, prof, peer
         amp = cfg["AMP"]
         self.amp = amp["enable"] and prof.gpu
         self.fused = (cfg["Optimizer"]["fused_head_update"]
@@ -125,10 +125,16 @@ def _loader(cfg):
 
 
 def memory(cfg, ctx):
-    """{term: bytes} of the rank holding the largest shard."""
+    """{term: bytes} of the rank holding the largest shard: plsc's head, or with `ctx.peer` a
+    peer's (arcface_torch's, `peer_plan`) beside the same backbone terms."""
     prof = ctx.profile
     out = {"process (CUDA context)" if prof.gpu else "process": prof.fixed_bytes if prof.gpu
            else measured.PROCESS_RSS}
+    if ctx.peer:  # a peer's head, counted from its code: its peak phase (`peer_plan`)
+        out.update(peer_plan.head_terms(cfg, ctx, _activations(cfg, ctx)))
+        out.update(ctx.backbone.kept())
+        out.update(peer_plan.gradient_sum(ctx))
+        return out
     shape = head_shape(cfg, ctx.ranks, ctx.fused, ctx.probe)
     for name, per_class in ctx.per_class.items():
         out[f"head {name}"] = int(per_class * shape.num_local)
@@ -193,22 +199,24 @@ def _seconds(ctx, flops, collectives):
     head_rate = prof.fp32_flops  # the head's GEMMs are float32 whatever the storage
     bw = prof.intra_bw if ctx.ranks <= prof.per_node else prof.inter_bw
     wire = sum(comm.wire_bytes(c, ctx.ranks) for c in collectives)
-    return {"compute": flops["backbone"] / bb_rate + flops["head"] / head_rate,
+    return {"backbone": flops["backbone"] / bb_rate, "head": flops["head"] / head_rate,
             "communication": wire / bw}
 
 
-def plan(cfg, ranks, device="cpu"):
-    """The `Plan` of `cfg` on `ranks` ranks of `device` (a profile name)."""
+def plan(cfg, ranks, device="cpu", peer=None):
+    """The `Plan` of `cfg` on `ranks` ranks of `device` (a profile name); `peer`: plan a peer's
+    head instead of plsc's (`peer_plan.PEERS`)."""
     if int(ranks) < 1:
         raise ValueError(f"--ranks must be >= 1, got {ranks}")
     prof = get_profile(device)
-    ctx = _Context(cfg, int(ranks), prof)
+    ctx = _Context(cfg, int(ranks), prof, peer_plan.check(peer, prof))
     mem = memory(cfg, ctx)
     colls = comm.step_collectives(cfg, ctx.ranks, ctx.backbone.buckets,
                                   reduce_scatter=prof.gpu)
     flops = _flops(cfg, ctx, forward_flops(cfg))
+    per_class = peer_plan.per_class(cfg, ctx) if ctx.peer else dict(ctx.per_class)
     p = Plan(cfg, ctx.ranks, prof, mem, limit(prof, ctx.ranks), colls, flops,
-             _seconds(ctx, flops, colls), capacity(cfg, ctx), dict(ctx.per_class))
+             _seconds(ctx, flops, colls), capacity(cfg, ctx), per_class)
     if ctx.row.get("scaled_from"):
         p.notes.append(f"activations scaled by the pixels from the {ctx.row['scaled_from']} "
                        "measurement")
@@ -221,8 +229,8 @@ def fits(p):
     return p.total <= p.limit
 
 
-def predicted(cfg, ranks, device):
+def predicted(cfg, ranks, device, peer=None):
     """(bytes a rank needs, bytes it may take) without the FLOPs and the capacity search."""
     prof = get_profile(device)
-    ctx = _Context(cfg, int(ranks), prof)
+    ctx = _Context(cfg, int(ranks), prof, peer)
     return sum(memory(cfg, ctx).values()), limit(prof, int(ranks))
