@@ -154,12 +154,12 @@ def test_entry_api(run, tmp_path):
     assert os.path.isfile(paths["paddle"] + ".pdiparams")
     images = [(np.random.RandomState(i).rand(16, 16, 3) * 255).astype(np.uint8) for i in range(3)]
     emb = ins.predict(images)
-    from plsc.apps.export import load_backbone_weights
-    from plsc.parts import build_backbone
+    from plsc.parts import build_backbone, load_pretrained
     from plsc.checkpoint import find_checkpoint
+    from plsc.checkpoint.layout import BACKBONE
     cfg = ins.get_config()
     ref = build_backbone(cfg)
-    load_backbone_weights(ref, find_checkpoint("latest", cfg["Global"]["output_dir"]))
+    load_pretrained(ref, os.path.join(find_checkpoint("latest", cfg["Global"]["output_dir"]), BACKBONE))
     ref.eval()
     x = np.stack([(im.transpose(2, 0, 1).astype("float32") - 127.5) / 127.5 for im in images])
     assert rel_err(emb, ref(paddle.to_tensor(x)).numpy()) < 1e-5  # float32, see the export test

@@ -8,9 +8,8 @@ import paddle
 from ..fileio import commit_file
 from ..checkpoint.layout import BACKBONE, read_meta
 from ..loading import check_meta
-from ..parts import load_pretrained
 
-__all__ = ["ONNX_MISSING", "checked_weights", "export_backbone", "load_backbone_weights"]
+__all__ = ["ONNX_MISSING", "checked_weights", "export_backbone"]
 
 
 def checked_weights(path, cfg=None, by_name=True):
@@ -30,15 +29,6 @@ def checked_weights(path, cfg=None, by_name=True):
         raise FileNotFoundError(f"no backbone weights at {file} (expected a checkpoint folder, "
                                 "a .pdparams file or arcface_torch's .pt/.pth)")
     return file, step
-
-
-def load_backbone_weights(backbone, path, cfg=None, by_name=True):
-    """Load backbone weights from `path` (`checked_weights`) by `plsc.parts.load_pretrained`:
-    every tensor with the model's shape or nothing (a damaged .pdparams raises
-    `CheckpointDamaged` naming it). Returns the checkpoint's step or None."""
-    file, step = checked_weights(path, cfg, by_name)
-    load_pretrained(backbone, file)
-    return step
 
 
 ONNX_MISSING = 'paddle2onnx is not installed (pip install -e ".[onnx]")'
