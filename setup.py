@@ -42,6 +42,8 @@ setup(
         "elastic": ["etcd3>=0.12"],
         # tools/search.py --kind ivf|hnsw (plsc.search)
         "search": ["faiss-cpu>=1.7"],
+        # the documentation site and its API reference: mkdocs build --strict (mkdocs.yml)
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26,<2"],
         "test": ["pytest>=7", "paddle2onnx>=2.0", "onnxruntime>=1.16", "etcd3>=0.12",
                  "scikit-learn>=1.0",  # the ROC oracle of the IJB tests
                  "faiss-cpu>=1.7",  # plsc.search's IVF / HNSW recall tests

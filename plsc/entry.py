@@ -25,8 +25,10 @@ from .models import MODELS, resolve_name
 
 __all__ = ["Entry", "LOSS_TYPES"]
 
-# PLSC's loss types -> (margin, scale, m1, m2, m3), from the margins' table.
+# From the margins' table.
 LOSS_TYPES = loss_types()
+"""{PLSC loss type: (margin, scale, m1, m2, m3)}, e.g. `dist_arcface`, as `set_loss_type`
+writes them."""
 
 
 def _checked(section, key, value, name):
@@ -70,6 +72,7 @@ class Entry:
 
     # ---------------------------------------------------------------- setters
     def set_model_name(self, name):
+        """Backbone `Model.name`: a registered name in any case, or an insightface alias."""
         try:
             name = resolve_name(name)
         except ValueError as err:
@@ -85,18 +88,22 @@ class Entry:
         return self
 
     def set_class_num(self, num):
+        """Number of classes (identities), `Loss.num_classes`."""
         return self._set("Loss", "num_classes", num, "class_num")
 
     def set_emb_size(self, size):
+        """Embedding width, `Model.embedding_size`."""
         return self._set("Model", "embedding_size", size, "emb_size")
 
     def set_loss_type(self, loss_type):
+        """A PLSC loss type (`LOSS_TYPES`): its margin and `Loss.scale`, `m1`, `m2`, `m3`."""
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
         return self._set_all(*(("Loss", key, value, key) for key, value in
                            zip(("margin", "scale", "m1", "m2", "m3"), LOSS_TYPES[loss_type])))
 
     def set_margin(self, scale=None, m1=None, m2=None, m3=None):
+        """`Loss.scale`, `m1`, `m2`, `m3` (None: left as they are)."""
         return self._set_all(*(("Loss", key, value, key) for key, value in
                            (("scale", scale), ("m1", m1), ("m2", m2), ("m3", m3))
                            if value is not None))
@@ -118,6 +125,7 @@ class Entry:
         return self._set("Loss", "sub_centers", k, "sub_centers")
 
     def set_sample_ratio(self, ratio):
+        """Partial FC: the ratio of class centres each step uses, `Loss.sample_ratio`."""
         return self._set("Loss", "sample_ratio", ratio, "sample_ratio")
 
     def set_chunk_size(self, chunk_size=None, logits_budget_mb=None):
@@ -140,9 +148,11 @@ class Entry:
         return self._set("Optimizer", "fused_head_update", enable, "fused_head_update")
 
     def set_train_batch_size(self, size):
+        """Per-rank training batch size, `Data.batch_size`."""
         return self._set("Data", "batch_size", size, "train_batch_size")
 
     def set_test_batch_size(self, size):
+        """Per-rank batch size of evaluation, `Eval.batch_size`."""
         return self._set("Eval", "batch_size", size, "test_batch_size")
 
     def set_dataset_dir(self, path):
@@ -152,12 +162,15 @@ class Entry:
         return self
 
     def set_dataset_type(self, kind):
+        """`Data.dataset`: recordio, folder, list or synthetic."""
         return self._set("Data", "dataset", kind, "dataset_type")
 
     def set_image_size(self, height, width=None):
+        """`Data.image_size` `[height, width]` (width: height when not given)."""
         return self._set("Data", "image_size", [height, width or height], "image_size")
 
     def set_model_save_dir(self, path):
+        """Output folder (checkpoints, logs, exports), `Global.output_dir`."""
         return self._set("Global", "output_dir", path, "model_save_dir")
 
     def set_checkpoint_dir(self, path):
@@ -168,16 +181,20 @@ class Entry:
         return self._set("Global", "checkpoint", path, "checkpoint_dir")
 
     def set_train_epochs(self, epochs):
+        """Train `epochs` epochs (`Global.epochs`; clears `Global.max_steps`)."""
         return self._set_all(("Global", "max_steps", None, "train_steps"),
                          ("Global", "epochs", epochs, "train_epochs"))
 
     def set_train_steps(self, steps):
+        """Stop after `steps` optimizer steps, `Global.max_steps`."""
         return self._set("Global", "max_steps", steps, "train_steps")
 
     def set_warmup_epochs(self, epochs):
+        """Linear warmup length in epochs, `LRScheduler.warmup_epochs`."""
         return self._set("LRScheduler", "warmup_epochs", epochs, "warmup_epochs")
 
     def set_lr(self, lr):
+        """Learning rate, `Optimizer.lr`."""
         return self._set("Optimizer", "lr", lr, "lr")
 
     def set_lr_steps(self, boundaries, gamma=0.1):
@@ -189,9 +206,11 @@ class Entry:
                          ("LRScheduler", "boundaries", sorted(steps), "lr_steps"))
 
     def set_optimizer(self, name):
+        """`Optimizer.name`: sgd (with momentum) or adamw."""
         return self._set("Optimizer", "name", name, "optimizer")
 
     def set_val_targets(self, targets):
+        """Verification packs `Eval.targets`: a list or a comma-separated string."""
         if isinstance(targets, str):
             targets = [t for t in targets.split(",") if t]
         elif isinstance(targets, tuple):
@@ -205,19 +224,24 @@ class Entry:
         return self if with_test else self._set("Eval", "targets", [], "with_test")
 
     def set_test_period(self, steps):
+        """Steps between evaluations, `Eval.interval`."""
         return self._set("Eval", "interval", steps, "test_period")
 
     def set_mixed_precision(self, enable, dtype="float16"):
+        """`AMP.enable` and `AMP.dtype` (float16 or bfloat16)."""
         return self._set_all(("AMP", "dtype", dtype, "mixed_precision dtype"),
                          ("AMP", "enable", enable, "mixed_precision enable"))
 
     def set_log_period(self, steps):
+        """Steps between log lines, `Global.log_interval`."""
         return self._set("Global", "log_interval", steps, "log_period")
 
     def set_seed(self, seed):
+        """Seed of initialisation, data order and sampling, `Global.seed`."""
         return self._set("Global", "seed", seed, "seed")
 
     def set_device(self, device):
+        """`Global.device`: auto, cpu or gpu."""
         return self._set("Global", "device", device, "device")
 
     # ------------------------------------------------------------------ actions

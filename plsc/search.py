@@ -17,6 +17,7 @@ __all__ = ["KINDS", "SearchIndex", "build_index", "load_index", "recall_at_k", "
            "overlap_report"]
 
 KINDS = ("exact", "ivf", "hnsw")
+"""The index kinds of `build_index`: exact (plsc's blocked scan), IVF and HNSW (faiss-cpu)."""
 
 
 def _faiss():

@@ -5,9 +5,10 @@ import numpy as np
 
 __all__ = ["ARCFACE_POINTS", "reference_points", "similarity_transform", "align_face"]
 
-# Left eye, right eye, nose tip, left and right mouth corner in a 112x112 crop (x, y).
 ARCFACE_POINTS = np.array([[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366],
                            [41.5493, 92.3655], [70.7299, 92.2041]], dtype=np.float64)
+"""`[5, 2]` (x, y) of the left eye, right eye, nose tip and left and right mouth corner in
+ArcFace's aligned 112x112 crop."""
 
 
 def reference_points(image_size=(112, 112)):

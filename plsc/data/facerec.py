@@ -30,6 +30,7 @@ def read_property(path):
 
 
 def write_property(path, num_classes, height, width):
+    """Write insightface's `property` file: `num_classes,height,width`."""
     atomic_write(path, f"{int(num_classes)},{int(height)},{int(width)}\n")
 
 

@@ -50,14 +50,17 @@ class IJBMeta:
 
     @property
     def num_images(self):
+        """Images of the protocol (lines of `name_5pts_score`)."""
         return len(self.names)
 
     @property
     def num_templates(self):
+        """Distinct template ids of the images."""
         return int(len(np.unique(self.templates)))
 
     @property
     def num_pairs(self):
+        """Template pairs to verify."""
         return int(len(self.labels))
 
 

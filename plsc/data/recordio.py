@@ -220,6 +220,7 @@ class RecordIOReader:
         return self._fd
 
     def close(self):
+        """Close this process's file handle (a later read opens it again)."""
         if self._fd is not None and self._pid == os.getpid():
             os.close(self._fd)
         self._fd, self._pid = None, None

@@ -46,6 +46,7 @@ class DistributedBatchSampler:
         self.epoch = 0
 
     def set_epoch(self, epoch):
+        """Use epoch `epoch`'s permutation (seeded by `(seed, epoch)`) from now on."""
         self.epoch = int(epoch)
 
     @property

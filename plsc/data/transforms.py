@@ -93,6 +93,7 @@ class FaceTransform:
         self._table, self._table_key = None, None
 
     def set_epoch(self, epoch):
+        """Draw the flips of epoch `epoch` from now on."""
         self.epoch = int(epoch)
 
     def flips(self, index):

@@ -36,6 +36,7 @@ class Margin:
         return self
 
     def target_logit(self, cos_t):
+        """The target classes' logits for their cosines `cos_t` (`[n]`)."""
         raise NotImplementedError
 
     def target_grad(self, cos_t):
@@ -78,12 +79,15 @@ class CombinedMargin(Margin):
         return self.m1 != 1.0 or self.m2 != 0.0
 
     def target_logit(self, cos_t):
+        """`s·(cos(m1·θ + m2) − m3)` with `θ = acos(cos_t)`, `cos_t` clipped to [−1, 1]."""
         t = paddle.clip(cos_t, -1.0, 1.0)
         if self._angular:
             t = paddle.cos(self.m1 * paddle.acos(t) + self.m2)
         return self.scale * (t - self.m3)
 
     def target_grad(self, cos_t):
+        """d target_logit / d cos_t: `s·m1·sin(m1·θ + m2) / sin θ` (sin θ floored at 1e-12);
+        `s` when the margin is not angular (m1 = 1, m2 = 0) or `straight_through`."""
         if self.straight_through or not self._angular:
             return paddle.full_like(cos_t, self.scale)
         t = paddle.clip(cos_t, -1.0, 1.0)
@@ -146,6 +150,9 @@ class AdaFace(nn.Layer, Margin):
         self.register_buffer("batch_std", paddle.full([], 100.0, "float32"))
 
     def for_batch(self, norms):
+        """The margin of this batch, from its gathered feature norms `norms` (`[n]`); in
+        training mode it first updates `batch_mean` and `batch_std` (ValueError below 2
+        samples)."""
         norms = paddle.clip(norms.detach().astype("float32"), 0.001, 100.0)
         if self.training:
             if norms.shape[0] < 2:
@@ -161,11 +168,14 @@ class AdaFace(nn.Layer, Margin):
         return _AdaFaceBatch(self, q)
 
     def target_logit(self, cos_t):
+        """RuntimeError: AdaFace's logits depend on the batch; use `for_batch(norms)`'s."""
         raise RuntimeError("AdaFace depends on the batch: use margin.for_batch(norms)")
 
     target_grad = target_logit
+    """RuntimeError, as `target_logit`."""
 
     def extra_repr(self):
+        """The margin's parameters, as `repr(margin)` shows them."""
         return f"s={self.scale}, m={self.m}, h={self.h}, t_alpha={self.t_alpha}"
 
 
@@ -201,9 +211,11 @@ class Softmax(Margin):
     scale = 1.0
 
     def target_logit(self, cos_t):
+        """The logit itself (`x·w + b`, passed as `cos_t`), unchanged."""
         return cos_t
 
     def target_grad(self, cos_t):
+        """1 for every entry."""
         return paddle.ones_like(cos_t)
 
     def __repr__(self):
@@ -225,6 +237,7 @@ def _registry():
 
 
 MARGINS = _registry()
+"""{config name: margin class}, one entry per row of `MARGIN_TABLE` (`Loss.margin` values)."""
 
 
 def build_margin(name, **kwargs):

@@ -66,6 +66,7 @@ MARGIN_TABLE = (
               {"s": "scale", "m": "adaface_m", "h": "adaface_h", "t_alpha": "adaface_t_alpha"}),
     MarginRow("softmax", "Softmax", False, {}, loss_type=(1.0, 1.0, 0.0, 0.0)),
 )
+"""Every margin, one `MarginRow` each, in the order the config's help lists them."""
 DEFAULT_MARGIN = "arcface"
 
 

@@ -133,6 +133,9 @@ class PartialFC(nn.Layer):
                                               default_initializer=nn.initializer.Constant(0.0))
 
     def forward(self, embeddings, labels):
+        """The mean loss over the global batch (the same value on every rank) of this rank's
+        `embeddings` `[b, d]` and int `labels` `[b]` (global class indices); each sample's
+        loss is kept in `head.sample_loss` (this rank's `[b]`, detached)."""
         labels = self._check_local(embeddings, labels)
         if self.check_inputs is True:
             self._check_across_ranks(labels)
@@ -347,6 +350,7 @@ class PartialFC(nn.Layer):
                              "same batch size on every rank (use drop_last=True in the sampler)")
 
     def extra_repr(self):
+        """The head's sizes and options, as `repr(head)` shows them."""
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
                 f"class_start={self.class_start}, num_local={self.num_local}, "
                 f"margin={self.margin}, sample_ratio={self.sample_ratio}, chunk_size={self.chunk_size}"

@@ -55,6 +55,7 @@ class Workspace:
         return buf.reshape([-1])[:size].reshape(shape)
 
     def give_back(self, name):
+        """End the loan of buffer `name`: the next `lend` may hand it out again."""
         self._owners.pop(name, None)
 
     def clear(self):
@@ -63,4 +64,5 @@ class Workspace:
 
     @property
     def nbytes(self):
+        """Bytes held by the kept buffers (lent or not)."""
         return sum(int(b.size) * b.element_size() for b, _ in self._buffers.values())

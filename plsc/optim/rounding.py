@@ -217,8 +217,11 @@ def round_to(x, dtype, mode="stochastic", seed=0, step=0, rank=0, rows=None, str
     Args:
         mode: "stochastic" (unbiased: the upper neighbour with probability
             (x - lo) / (hi - lo)) or "nearest" (to nearest even, like `astype`).
-        seed, step, rank, stream: what the random bits depend on besides the
-            position; give each array its own stream.
+        seed: with `step`, `rank` and `stream`, what the random bits depend on
+            besides the position.
+        step: see `seed`.
+        rank: see `seed`.
+        stream: see `seed`; give each array its own stream.
         rows: int64 `[r]` global indices of x's rows (None: 0..r-1). Bits depend
             on them, not on where a row sits in x.
     """

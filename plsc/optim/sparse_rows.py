@@ -98,6 +98,7 @@ class SparseRowOptimizer:
         return flag
 
     def get_lr(self):
+        """The current learning rate (a scheduler's value when `learning_rate` is one)."""
         lr = self.learning_rate
         return float(lr() if callable(lr) else lr)
 
@@ -251,6 +252,8 @@ class SparseRowOptimizer:
         return out
 
     def set_state_dict(self, state_dict):
+        """Load what `state_dict` returned: each `"<param>.<state>"` row array and
+        `"step_count"`."""
         for full, value in state_dict.items():
             if full == "step_count":
                 self.step_count = int(value.item() if hasattr(value, "item") else value)
