@@ -20,22 +20,14 @@ import socket
 import subprocess
 import time
 
+from conftest import _free_ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 GRACE_SECONDS = 20  # the `low` partition's GraceTime (a preempted job's SIGTERM to SIGKILL)
 
 
 class Unavailable(Exception):
     """The cluster cannot be started here (the message says why)."""
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def missing():

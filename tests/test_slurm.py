@@ -8,8 +8,11 @@ The jobs run side by side (one module fixture, `runs`), each a case:
 - `preempted`: launcher style (`srun --ntasks-per-node 1` + paddle.distributed.launch),
   preempted by a job of a higher-tier partition (PreemptMode=REQUEUE with a GraceTime: what a
   QOS preemption does, without the accounting database QOS needs);
-- `term`: one rank per task (`srun --ntasks 2`), `scancel --signal=TERM` during training;
-- `reshard`: the same, then requeued with 3 tasks (`scontrol update NumTasks=3`);
+- `term`: one rank per task (`srun --ntasks 2`), `scancel --batch --signal=TERM` during
+  training (to the batch script only, as `--signal=B:TERM@30` does before the time limit: the
+  script passes it on);
+- `reshard`: the same but `scancel --signal=TERM` (to the tasks), then requeued with 3 tasks
+  (`scontrol update NumTasks=3`);
 - `killed`: one rank per task, SIGKILL to task 1 (its pid from `scontrol listpids`, what the
   out-of-memory killer does; scancel signals a whole step, not one task).
 Each ends COMPLETED with status 0 after one requeue; `preempted`, `term` and `killed` with the
@@ -179,8 +182,8 @@ def runs(cluster, tmp_path_factory, run_ranks):
             killed.events.setdefault("line", time.time())
     jobs = [pre, term, reshard, killed]
     drive(jobs, [
-        ("scancel term", lambda: term.reached(3),
-         lambda: cluster.run(["scancel", "--signal=TERM", term.id])),
+        ("scancel term", lambda: term.reached(3),  # the time limit's B:TERM: the script only
+         lambda: cluster.run(["scancel", "--batch", "--signal=TERM", term.id])),
         ("scancel reshard", lambda: reshard.reached(3),
          lambda: cluster.run(["scancel", "--signal=TERM", reshard.id])),
         ("3 tasks", lambda: reshard.state().get("Restarts") == "1" and
@@ -214,7 +217,7 @@ def assert_as_the_reference(job, reference):
 
 @pytest.mark.parametrize("case,stopped_by", [("term", "signal 15"), ("preempted", "signal 15")])
 def test_a_stop_checkpoints_requeues_and_resumes_exactly(runs, case, stopped_by):
-    """scancel --signal=TERM (one rank per task) and a partition's preemption (the launcher
+    """TERM to the batch script (one rank per task) and a partition's preemption (the launcher
     per node): every rank stops after one step with a checkpoint and 75, the script requeues,
     the requeued job resumes from that checkpoint and ends with the uninterrupted run's losses
     and weights."""

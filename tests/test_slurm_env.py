@@ -87,8 +87,8 @@ def slurm_column():
 
 def run_script(tmp_path, status, signal_script=False):
     """demo/slurm_train.sbatch with an srun that ends with `status` (after a TERM when
-    `signal_script`: the script is signalled and passes it on) and an scontrol that notes a
-    requeue. Returns (the script's status, whether it requeued)."""
+    `signal_script`: the script is signalled and passes it on), an scontrol that notes a
+    requeue and an scancel that fails. Returns (the script's status, whether it requeued)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text(
@@ -98,7 +98,8 @@ def run_script(tmp_path, status, signal_script=False):
     (bin_dir / "scontrol").write_text(
         f"#!/bin/bash\n[ \"$1\" = requeue ] && echo \"$2\" >> {tmp_path}/requeued\n"
         "[ \"$1 $2\" = \"show hostnames\" ] && echo node1\nexit 0\n")
-    for name in ("srun", "scontrol"):
+    (bin_dir / "scancel").write_text("#!/bin/bash\nexit 1\n")  # the script then signals srun
+    for name in ("srun", "scontrol", "scancel"):
         os.chmod(bin_dir / name, 0o755)
     marker = tmp_path / "requeued"
     if marker.exists():
