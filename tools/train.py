@@ -2,6 +2,7 @@
 
     python -m paddle.distributed.launch --nproc_per_node 8 tools/train.py -c configs/arcface_r50.yaml
     python tools/train.py -c configs/demo.yaml -o Global.max_steps=100     # one process
+    srun --ntasks 8 python tools/train.py -c configs/arcface_r50.yaml     # a rank per Slurm task
 
 On SIGTERM or SIGINT (to any rank, its process group or every process of the job) every rank
 finishes the current step, a checkpoint is written and the process exits with status 75

@@ -5,11 +5,12 @@ from .collective import (all_gather, all_reduce_, broadcast_, failed_rank, gathe
 from .env import (barrier, get_backend, get_rank, get_world_size, init, is_initialized,
                   launched_rank, launched_world_size)
 from .partition import ClassPartition
+from . import slurm
 
 __all__ = [
     "init", "barrier", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
     "launched_rank",
     "all_gather", "reduce_scatter", "gather_concat", "reduce_scatter_sum", "all_reduce_",
     "broadcast_", "sync_buffers", "group_rank_size", "failed_rank", "start_sum", "WIRE_DTYPES",
-    "ClassPartition",
+    "ClassPartition", "slurm",
 ]

@@ -4,18 +4,23 @@ import os
 import paddle
 import paddle.distributed as dist
 
+from . import slurm
+
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
            "launched_rank", "barrier"]
 
 
 def launched_world_size():
-    """World size announced by `paddle.distributed.launch`/`spawn` (1 when not launched)."""
+    """World size announced by `paddle.distributed.launch`/`spawn`, or by Slurm in a task of
+    `srun` (`plsc.distributed.slurm`); 1 when not launched."""
+    slurm.adopt()
     return int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
 
 
 def launched_rank():
-    """This process's rank as announced by the launcher (0 when not launched), known before
-    the process group is formed."""
+    """This process's rank as announced by the launcher or Slurm (0 when not launched), known
+    before the process group is formed."""
+    slurm.adopt()
     return int(os.environ.get("PADDLE_TRAINER_ID", "0"))
 
 
@@ -29,7 +34,8 @@ def init(backend="auto"):
 
     `backend` is "auto" (NCCL where the current device is a GPU, gloo on CPU),
     "nccl" or "gloo". When the process was not launched with several ranks
-    this is a no-op and the world has size 1.
+    this is a no-op and the world has size 1. In a task of `srun` without Paddle's launcher
+    the rank and world come from Slurm (`plsc.distributed.slurm`).
     """
     if backend not in ("auto", "nccl", "gloo"):
         raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")

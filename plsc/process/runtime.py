@@ -123,11 +123,13 @@ def select_device(name, cpu_threads=None):
 
 def start(cfg):
     """The preamble of every run of a config: its device (Global.device, Global.cpu_threads)
-    and the process group of the launched ranks (one process: none). Returns the device. A stop
+    and the process group of the launched ranks (or of a Slurm step's tasks; one process:
+    none). Returns the device. A stop
     signal that `startup`'s guard kept until the group was formed ends the process once the
     set-up returns (or fails)."""
     from .. import distributed
     from . import startup
+    distributed.slurm.adopt()  # a task of srun: its ranks per node count for the threads
     device = select_device(cfg["Global"]["device"], cfg["Global"]["cpu_threads"])
     try:
         distributed.init()

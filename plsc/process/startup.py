@@ -43,7 +43,8 @@ __all__ = ["PREEMPTED_EXIT_CODE", "SIGNALS", "BURST_SECONDS", "hold", "guard", "
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 BURST_SECONDS = 1.0  # stop signals this soon after the first repeat it (`same_request`)
-LAUNCHED_ENV = "PADDLE_TRAINER_ID"  # set in every rank Paddle's launcher starts
+LAUNCHED_ENV = "PADDLE_TRAINER_ID"  # set in every rank Paddle's launcher starts (and by
+# plsc.distributed.slurm in a task of srun, where srun and scancel repeat SIGTERMs too)
 
 
 def preempted_message(signum, before=None):

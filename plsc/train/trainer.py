@@ -386,6 +386,9 @@ class Trainer(Checkpointing, Stopping):
                       f"{self.head.param_dtype}), global batch {self.global_batch}, "
                       f"{self.total_steps} steps, head update "
                       f"{'inside the backward' if self.fused_head_update else 'after the backward'}")
+        cluster = pd.slurm.description()
+        if cluster:
+            self.log.info(f"plsc: {cluster}")
         if not self.device.startswith("gpu"):
             for note in (runtime.BLAS_NOTE, cpu_setup.NOTE, cpu_setup.MALLOC_NOTE):
                 if note:
