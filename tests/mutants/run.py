@@ -1,6 +1,6 @@
 """Run the curated mutants: each deliberate bug must make its named tests fail.
 
-    python tests/mutants/run.py [NAME ...] [--list] [--keep]
+    python tests/mutants/run.py [NAME ...] [--list] [--keep] [--jobs N]
 
 Every `tests/mutants/*.patch` is a unified diff (as `git diff` writes it) preceded by a
 header of `# key: value` lines:
@@ -18,9 +18,11 @@ killed when every run line fails (pytest exit code 1: each line is a claim, "the
 catch it"); it survives when a run line passes. Any other outcome (nothing collected, a
 usage error, a timeout) is an error, not a kill. The script exits non-zero if any mutant
 survives or errs. The run lines are trusted to pass without the mutant (CI runs the whole
-suite too); `--baseline` checks that as well, at twice the time.
+suite too); `--baseline` checks that as well, at twice the time. `--jobs N` runs N mutants at
+once, each in its own scratch copy (results print as they end, the summary last).
 """
 import argparse
+import concurrent.futures
 import glob
 import os
 import shlex
@@ -112,6 +114,8 @@ def main():
     ap.add_argument("names", nargs="*", help="mutant names (default: all)")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    ap.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="mutants run at once (default 1; CI: 2, one per core)")
     ap.add_argument("--baseline", action="store_true",
                     help="first run each mutant's tests without it: they must pass (CI runs the "
                          "whole suite before this step instead)")
@@ -128,15 +132,18 @@ def main():
             print(f"{h['mutant'][0]}: {h['bug'][0]}\n    run: " + "\n    run: ".join(h["run"]))
         return 0
     start, bad = time.time(), []
-    for p in paths:
-        name = read_header(p)["mutant"][0]
-        outcome, detail, secs = run_mutant(p, args.keep, args.baseline)
-        print(f"{outcome.upper():8s} {name} ({secs:.0f} s): {detail}", flush=True)
-        if outcome != "killed":
-            bad.append(name)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        runs = {pool.submit(run_mutant, p, args.keep, args.baseline): read_header(p)["mutant"][0]
+                for p in paths}
+        for run in concurrent.futures.as_completed(runs):
+            name = runs[run]
+            outcome, detail, secs = run.result()
+            print(f"{outcome.upper():8s} {name} ({secs:.0f} s): {detail}", flush=True)
+            if outcome != "killed":
+                bad.append(name)
     print(f"{len(paths) - len(bad)}/{len(paths)} mutants killed in {time.time() - start:.0f} s")
     if bad:
-        print("not killed: " + ", ".join(bad), file=sys.stderr)
+        print("not killed: " + ", ".join(sorted(bad)), file=sys.stderr)
         return 1
     return 0
 
