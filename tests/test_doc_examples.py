@@ -145,9 +145,7 @@ def test_runnable_blocks_run_as_written(tmp_path):
             cmd = [sys.executable, str(script)]
         else:
             cmd = ["bash", "-e", "-o", "pipefail", "-c", body]
-        t0 = __import__("time").time()
         done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
-        print("TIMING", page, b["line"], round(__import__("time").time() - t0, 1))
         assert done.returncode == 0, (f"{page}:{b['line']} exited {done.returncode}\n{body}\n"
                                       f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
