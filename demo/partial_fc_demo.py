@@ -1,4 +1,4 @@
-"""Train a toy embedding model with a class-sharded ArcFace head.
+"""Train a toy embedding model with a class-sharded ArcFace head and Partial FC.
 
     python -m paddle.distributed.launch --nproc_per_node 2 demo/partial_fc_demo.py
     python demo/partial_fc_demo.py            # one process works too
@@ -6,7 +6,10 @@
 The "backbone" is a small MLP, data-parallel: every rank feeds its own
 samples, and its gradients are summed across ranks (the head's loss is the
 global-batch mean, so each rank's backbone gradient covers its own samples).
-The head is model-parallel: each rank holds and updates only its classes.
+The head is model-parallel: each rank holds only its classes, samples
+`--sample-ratio` of them a step (the batch's positives always among them) and
+`SparseMomentum` updates the sampled rows and their momentum only: the loop of
+README's "The head in a hand-written loop".
 """
 import argparse
 
@@ -17,6 +20,7 @@ from paddle import nn
 import plsc.distributed as pd
 from plsc.loss import ArcFace
 from plsc.nn import PartialFC
+from plsc.optim import SparseMomentum
 
 
 def make_batch(rng, centres, batch_size, noise):
@@ -33,6 +37,8 @@ def main():
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--sample-ratio", type=float, default=0.1,
+                   help="Partial FC: the fraction of each rank's classes sampled a step")
     args = p.parse_args()
 
     pd.init()
@@ -40,9 +46,10 @@ def main():
     paddle.seed(0)  # the same backbone initialisation on every rank
     backbone = nn.Sequential(nn.Linear(args.input_dim, 128), nn.PReLU(),
                              nn.Linear(128, args.embedding_size))
-    head = PartialFC(args.embedding_size, args.num_classes, ArcFace(s=32.0, m=0.3))
-    opt = paddle.optimizer.Momentum(args.lr, momentum=0.9,
-                                    parameters=backbone.parameters() + head.parameters())
+    head = PartialFC(args.embedding_size, args.num_classes, ArcFace(s=32.0, m=0.3),
+                     sample_ratio=args.sample_ratio)
+    opt = paddle.optimizer.Momentum(args.lr, momentum=0.9, parameters=backbone.parameters())
+    head_opt = SparseMomentum(learning_rate=args.lr, momentum=0.9, weight_decay=5e-4)
 
     centres = np.random.RandomState(1234).normal(size=(args.num_classes, args.input_dim))
     rng = np.random.RandomState(100 + rank)  # each rank draws its own samples
@@ -54,9 +61,11 @@ def main():
             pd.all_reduce_(param.grad, "sum")
         opt.step()
         opt.clear_grad()
+        head_opt.step(head)  # the sampled rows and their momentum only
         if rank == 0 and (step % 20 == 0 or step == 1):
             print(f"step {step:4d}  loss {float(loss):.4f}  "
-                  f"(ranks {world}, classes {head.class_start}..{head.class_start + head.num_local - 1} here)",
+                  f"(ranks {world}, classes {head.class_start}..{head.class_start + head.num_local - 1} here, "
+                  f"{head.num_sample} sampled)",
                   flush=True)
 
 
