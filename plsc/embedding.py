@@ -6,9 +6,10 @@ import os
 import numpy as np
 import paddle
 
-from .data import DataError, DataLoader, PeerDataError, load_verification_arrays
+from .data import (DataError, DataLoader, PeerDataError, load_verification_arrays,
+                   read_verification_bin)
 from .distributed import failed_rank, gather_concat, get_rank, get_world_size
-from .metrics import verification_report
+from .metrics import FOLDS, verification_report
 
 __all__ = ["VerificationEvaluator", "extract_embeddings", "embed", "embedding_size", "rank_share",
            "gather_shares", "share_batches", "RankComm"]
@@ -147,6 +148,10 @@ class VerificationEvaluator:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"verification pack {path} does not exist (Eval.root="
                                         f"{root}, target {target!r})")
+            pairs = len(read_verification_bin(path, decode=False)[1])  # before any step
+            if pairs < FOLDS:
+                raise DataError(f"{path}: {pairs} pairs, expected at least {FOLDS} (the "
+                                f"verification accuracy is {FOLDS}-fold)")
 
     def path(self, target):
         return os.path.join(self.root, f"{target}.bin")

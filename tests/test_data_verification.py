@@ -94,3 +94,19 @@ def test_undecodable_image_names_its_index(tmp_path):
     (tmp_path / "v.bin").write_bytes(pickle.dumps((bins, [True])))
     with pytest.raises(DataError, match=r"v.bin: image 1: cannot decode the image"):
         read_verification_bin(tmp_path / "v.bin")
+
+
+@pytest.mark.parametrize("pairs, refused", [(9, True), (10, False)])
+def test_evaluator_refuses_a_pack_too_small_for_ten_folds(tmp_path, pairs, refused):
+    """Checked when the evaluator is built, before a training step, not at the first [val]."""
+    from plsc.embedding import VerificationEvaluator
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(2 * pairs)]
+    write_verification_bin(tmp_path / "tiny.bin", images, [i % 2 == 0 for i in range(pairs)])
+    if refused:
+        with pytest.raises(DataError) as err:
+            VerificationEvaluator(str(tmp_path), ["tiny"], (8, 8), 4)
+        assert str(err.value) == (f"{tmp_path / 'tiny.bin'}: 9 pairs, expected at least 10 "
+                                  "(the verification accuracy is 10-fold)")
+    else:
+        VerificationEvaluator(str(tmp_path), ["tiny"], (8, 8), 4)

@@ -8,7 +8,7 @@ other 9 folds is applied to the tenth.
 """
 import numpy as np
 
-__all__ = ["pair_distances", "kfold_accuracy", "tar_at_far", "roc_curve", "verification_report"]
+__all__ = ["FOLDS", "pair_distances", "kfold_accuracy", "tar_at_far", "roc_curve", "verification_report"]
 
 THRESHOLDS = np.arange(0.0, 4.0, 0.01)  # squared distances of unit vectors lie in [0, 4]
 
@@ -28,7 +28,11 @@ def _accuracy(dist, issame, threshold):
     return float(np.mean((dist < threshold) == issame))
 
 
-def kfold_accuracy(dist, issame, n_folds=10, thresholds=THRESHOLDS):
+FOLDS = 10
+"""The folds of the verification accuracy (the LFW protocol's ten); a pack needs as many pairs."""
+
+
+def kfold_accuracy(dist, issame, n_folds=FOLDS, thresholds=THRESHOLDS):
     """(accuracies per fold, chosen threshold per fold); folds are contiguous, unshuffled."""
     dist, issame = np.asarray(dist), np.asarray(issame, dtype=bool)
     if len(dist) != len(issame):
@@ -68,7 +72,7 @@ def tar_at_far(dist, issame, far_targets=(1e-2, 1e-3, 1e-4)):
     return {float(t): float(tar[far <= t].max()) for t in far_targets}
 
 
-def verification_report(embeddings, issame, flipped=None, n_folds=10, with_roc=False):
+def verification_report(embeddings, issame, flipped=None, n_folds=FOLDS, with_roc=False):
     """Accuracy ± std, threshold, TAR@FAR and mean embedding norm of one pack.
 
     `embeddings` are the 2P raw embeddings of the pack's images in pair order;
