@@ -85,7 +85,7 @@ class ByteCount:
 
 
 PATHS = ("backward", "thread", "after", "flat")  # OverlappedSum's modes; sum_gradients
-GATE_SECONDS = 20.0
+GATE_SECONDS = 5.0
 
 
 def gate(count):
