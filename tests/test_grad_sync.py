@@ -1,14 +1,16 @@
 """The backbone's gradient sum: `OverlappedSum`'s buckets; the sums on 2 real ranks with
-float32, float16 and bfloat16 on the wire against numpy (tests/grad_sync_ranks.py); the
-trainer with Optimizer.grad_allreduce_dtype=float16. (`OverlappedSum` against `sum_gradients`
-inside the trainer: test_trainer_distributed.py.)"""
+float32, float16 and bfloat16 on the wire against numpy, on both kernel sets, in each
+Optimizer.grad_sync mode and by `sum_gradients` (tests/grad_sync_ranks.py), with the order of
+the backward's end and the first all-reduce's start; the trainer with
+Optimizer.grad_allreduce_dtype=float16 in each mode, its step timers' hidden and exposed parts.
+(`OverlappedSum` against `sum_gradients` inside the trainer: test_trainer_distributed.py.)"""
 import os
 
 import numpy as np
 import paddle
 import pytest
 
-from grad_sync_ranks import SHAPES, WIRES, extra_values, local_gradients
+from grad_sync_ranks import GATE_SECONDS, MODES, PATHS, SHAPES, WIRES, extra_values, local_gradients
 from trainer_common import make_backbone, make_data
 from plsc.train.grad_sync import OverlappedSum, sum_gradients
 
@@ -124,7 +126,7 @@ def two_ranks(tmp_path_factory, run_ranks):
 CASES = WIRES + ("float16_device",)  # float16's gathered sum on the device kernel set too
 
 
-@pytest.mark.parametrize("path", ["overlapped", "after"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES)
 def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ranks, case, path):
     """Each rank's sums against numpy; the 16-bit sums differ from float32's (the rounding is
@@ -144,7 +146,7 @@ def test_sums_equal_the_float32_sum_of_the_rounded_gradients_bit_for_bit(two_ran
         assert np.isinf(rounded[0].reshape(-1)[4]) == (wire == "float16")
 
 
-@pytest.mark.parametrize("path", ["overlapped", "after"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES)
 def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, case, path):
     """`extra` comes back as its exact float32 sum (values 16 bits cannot hold), and the
@@ -165,16 +167,57 @@ def test_extra_stays_float32_and_16_bits_halve_the_bytes(two_ranks, case, path):
             assert counted == {wire: 2 * elements, "float32": extra_bytes}
 
 
-def test_a_trainer_step_with_float16_gradient_all_reduce(two_ranks):
-    """Optimizer.grad_allreduce_dtype=float16: the step is applied with a finite loss, both
-    ranks' backbones equal bit for bit and moved, and every backbone gradient element went in
-    2 bytes (the head's collectives send no float16)."""
+@pytest.mark.parametrize("case", CASES)
+def test_the_first_all_reduce_starts_before_the_backward_ends(two_ranks, case):
+    """backward and thread: the backward's last gradient is held (a gate on its path, see
+    grad_sync_ranks.gate) until the first collective starts, so the backward can end only
+    after a bucket's all-reduce started from its hooks (the gate waits GATE_SECONDS at most:
+    hooks that sent nothing show as a late release); after and flat start none before the
+    backward has returned. The hooks sent every bucket (the held gradient's too, after the
+    gate, still in the backward); gloo's all-reduce in the
+    backward's thread is all exposed, the thread's partly hidden."""
+    for report in two_ranks:
+        for path in PATHS:
+            first, end = report[f"{case}.{path}.first_collective_s"], report[f"{case}.{path}.backward_end_s"]
+            if path in ("backward", "thread"):
+                gate = report[f"{case}.{path}.gate_s"]
+                assert first < gate < end and gate - first < GATE_SECONDS / 2, path
+            else:
+                assert end < first, path
+        buckets = int(report[f"{case}.backward.buckets"])
+        assert buckets >= 2
+        for path in ("backward", "thread"):
+            assert report[f"{case}.{path}.timing.in_backward"] == buckets, path
+        assert report[f"{case}.after.timing.in_backward"] == 0
+        for path in ("backward", "after"):
+            assert report[f"{case}.{path}.timing.hidden_s"] == 0.0
+            assert report[f"{case}.{path}.timing.ran_s"] == report[f"{case}.{path}.timing.waited_s"] > 0
+        ran, hidden = report[f"{case}.thread.timing.ran_s"], report[f"{case}.thread.timing.hidden_s"]
+        assert 0 < hidden <= ran
+
+
+def test_a_trainer_step_in_each_grad_sync_mode(two_ranks):
+    """Optimizer.grad_allreduce_dtype=float16, grad_sync backward, thread and after: each step
+    is applied with a finite loss; every mode's backbones equal bit for bit on both ranks and
+    across modes (the same sums); every backbone gradient element went in 2 bytes (the head's
+    collectives send no float16); the step timers' record splits the gradient all-reduces
+    into exposed (inside the collectives phase) and hidden parts that add up to their time."""
     start = {n: p.numpy() for n, p in make_backbone(0).named_parameters()}
     r0, r1 = two_ranks
     for report in two_ranks:
-        assert report["trainer.applied"] == 1 and np.isfinite(report["trainer.loss"])
-        assert report["trainer.bytes.float16"] == 2 * report["trainer.grad_elements"]
+        for mode in MODES:
+            t = f"trainer.{mode}."
+            assert report[t + "applied"] == 1 and np.isfinite(report[t + "loss"])
+            assert report[t + "bytes.float16"] == 2 * report[t + "grad_elements"]
+            ran, exposed, hidden = (report[t + f"step.grad_sum_{k}_s"]
+                                    for k in ("ran", "exposed", "hidden"))
+            assert ran > 0 and 0 <= exposed <= report[t + "step.collectives"]
+            assert abs(ran - exposed - hidden) < 1e-9 or (hidden == 0 and exposed > ran)
+            assert (report[t + "step.grad_sum_buckets_in_backward"] > 0) == (mode != "after")
+        assert report["trainer.backward.step.grad_sum_hidden_s"] == 0.0
     for name, value in start.items():
-        a, b = r0[f"trainer.backbone.{name}"], r1[f"trainer.backbone.{name}"]
-        assert np.array_equal(a, b), name
-    assert any(not np.array_equal(r0[f"trainer.backbone.{n}"], v) for n, v in start.items())
+        a = r0[f"trainer.backward.backbone.{name}"]
+        for mode in MODES:
+            for report in two_ranks:
+                assert np.array_equal(report[f"trainer.{mode}.backbone.{name}"], a), (mode, name)
+    assert any(not np.array_equal(r0[f"trainer.backward.backbone.{n}"], v) for n, v in start.items())

@@ -72,6 +72,30 @@ def test_timed_dist_counts_calls_and_waits():
     assert t.steps[0]["collectives"] == 4.0 and t.steps[0]["backbone"] == 0.0
 
 
+def test_collectives_of_another_thread_are_not_a_phase():
+    """The gradient sum's communication thread calls the collectives too: its time is not
+    the main thread's (it is in the step record's grad_sum_* values instead)."""
+    import threading
+    clock = Clock()
+    t = StepTimers(0, 2, 8, clock=clock)
+    calls = []
+
+    class Dist:
+        def all_reduce(self, x, sync_op=True):
+            clock.t += 1.0
+            calls.append(x)
+
+    d = _TimedDist(Dist(), t)
+    t.enter("backbone")
+    worker = threading.Thread(target=d.all_reduce, args=(7,))
+    worker.start()
+    worker.join()
+    t.leave()
+    t.end_step(1, {"grad_sum_hidden_s": 0.5})
+    assert calls == [7] and t.steps[0]["collectives"] == 0.0 and t.steps[0]["backbone"] == 1.0
+    assert t.steps[0]["grad_sum_hidden_s"] == 0.5
+
+
 def test_off_without_the_variable(tmp_path):
     class Trainer:
         rank, world, global_batch = 0, 1, 8
@@ -114,4 +138,5 @@ def test_trainer_steps_timed_and_unchanged(tmp_path, monkeypatch):
     for s in steps:
         assert abs(sum(s[p] for p in report["phases"]) - s["wall_s"]) < 1e-6
         assert s["backbone"] > 0 and s["head"] > 0 and s["optimizer"] > 0 and s["data"] > 0
+        assert s["grad_sum_ran_s"] == s["grad_sum_buckets_in_backward"] == 0  # one rank
     assert steps[1]["checkpoint_eval_s"] > 0 and steps[2]["checkpoint_eval_s"] == 0

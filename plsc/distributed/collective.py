@@ -75,7 +75,7 @@ def all_reduce_(x, op="sum", group=None):
     return x
 
 
-def start_sum(x, wire="float32", group=None):
+def start_sum(x, wire="float32", group=None, issue=None):
     """Start summing the float32 tensor `x` over the ranks of `group` with `wire` values on the
     wire; returns `wait()`, which waits and returns the sum as float32 (for float32: `x`
     itself, summed in place). One process: `x`, rounded to `wire` and back as a one-rank
@@ -88,7 +88,12 @@ def start_sum(x, wire="float32", group=None):
     float32 in rank order and rounded to float16 once. On 2 ranks that is what a float16
     all-reduce returns, bit for bit: both give a+b rounded to float16, and rounding the exact
     sum to float32 first changes nothing (24 bits >= 2*11 + 2, so no double rounding); the
-    all-gather then moves half float32's bytes too, on 4 ranks as many, beyond that more."""
+    all-gather then moves half float32's bytes too, on 4 ranks as many, beyond that more.
+
+    `issue(call)` runs the collective: `call()` starts it and returns Paddle's task; `issue`
+    returns a function that waits for it (default: start it in this thread; the casts
+    before and after stay in the caller's thread either way)."""
+    issue = issue or _issue_now
     if wire not in WIRE_DTYPES:
         raise ValueError(f"wire must be one of {', '.join(WIRE_DTYPES)}, got {wire!r}")
     if wire == "float32" and group_rank_size(group)[1] == 1:
@@ -98,10 +103,10 @@ def start_sum(x, wire="float32", group=None):
             rounded = x.astype(wire).astype("float32")
         return lambda: rounded
     if wire == "float32":
-        task = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+        done = issue(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, sync_op=False))
 
         def summed():
-            task.wait()
+            done()
             return x
         return summed
     numpy = wire == "float16" and cpu_set(x)  # numpy's float16 casts: one pass each
@@ -109,10 +114,10 @@ def start_sum(x, wire="float32", group=None):
         payload = _to_float16(x) if numpy else x.astype(wire)
     if wire == "float16" and dist.get_backend(group) in _NO_FLOAT16_ALL_REDUCE:
         parts = []
-        task = dist.all_gather(parts, payload, group=group, sync_op=False)
+        done = issue(lambda: dist.all_gather(parts, payload, group=group, sync_op=False))
 
         def gathered_sum():
-            task.wait()
+            done()
             if numpy:
                 return _float16_sum(parts)
             with paddle.no_grad():
@@ -121,13 +126,18 @@ def start_sum(x, wire="float32", group=None):
                     total = total + part.astype("float32")
                 return total.astype(wire).astype("float32")
         return gathered_sum
-    task = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, sync_op=False)
+    done = issue(lambda: dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, sync_op=False))
 
     def reduced():
-        task.wait()
+        done()
         with paddle.no_grad():
             return payload.astype("float32")
     return reduced
+
+
+def _issue_now(call):
+    """`start_sum`'s default `issue`: start the collective here; returns its task's `wait`."""
+    return call().wait
 
 
 def _to_float16(x):

@@ -22,23 +22,27 @@ same magnitude, with the same overflow point. On one rank too the gradients are 
 values (flags the trainer counts) are always summed in float32.
 """
 import functools
+import queue
+import threading
+import time
 
 import paddle
 
 from .. import distributed as pd
+from ..config import GRAD_SYNC_MODES as MODES
 
-__all__ = ["BUCKET", "OVERLAP_BUCKET_BYTES", "OverlappedSum", "sum_gradients"]
+__all__ = ["BUCKET", "MODES", "OVERLAP_BUCKET_BYTES", "OverlappedSum", "sum_gradients"]
 
 BUCKET = 1 << 24  # elements per all-reduce of `sum_gradients`
 OVERLAP_BUCKET_BYTES = 25 << 20  # gradient bytes per all-reduce of `OverlappedSum`
 
 
-def _reduce_flat(bucket, group, dtype="float32"):
+def _reduce_flat(bucket, group, dtype="float32", issue=None):
     """Concatenate the tensors of `bucket` and start their sum with `dtype` values on the
-    wire; returns `wait()`, which returns the flat float32 sum."""
+    wire (`issue`: `start_sum`'s); returns `wait()`, which returns the flat float32 sum."""
     with paddle.no_grad():
         flat = paddle.concat([b.reshape([-1]) for b in bucket])
-    return pd.start_sum(flat, dtype, group)
+    return pd.start_sum(flat, dtype, group, issue)
 
 
 def _write_back(bucket, flat):
@@ -71,19 +75,59 @@ def sum_gradients(params, group=None, extra=None, dtype="float32"):
     return extra
 
 
+class _CommThread:
+    """A daemon thread that runs collectives one after the other, in submission order."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="plsc-gradient-sum", daemon=True).start()
+
+    def _run(self):
+        while True:
+            call, done = self._jobs.get()
+            start = time.perf_counter()
+            try:
+                call().wait()
+            except BaseException as err:  # noqa: BLE001 -- raised in the waiting thread
+                done.error = err
+            done.seconds = time.perf_counter() - start
+            done.set()
+
+    def submit(self, call):
+        """Queue `call` (starts a collective, returns its task); returns an Event set once
+        it has ended, with `.seconds` (its time) and `.error` (what it raised, or None)."""
+        done = threading.Event()
+        done.seconds, done.error = 0.0, None
+        self._jobs.put((call, done))
+        return done
+
+
 class OverlappedSum:
     """`sum_gradients` started during the backward (see the module's docstring).
 
     `arm()` before the backward whose gradients are to be summed (the last micro-batch's: the
     hooks of earlier backwards do nothing); `finish(extra)` after it, instead of
     `sum_gradients(params, group, extra, dtype)`. Without `arm`, `finish` sends every bucket
-    then. `dtype`: what the wire carries (float32, float16, bfloat16)."""
+    then. `dtype`: what the wire carries (float32, float16, bfloat16). `mode`
+    (Optimizer.grad_sync): "backward", the hooks start each full bucket's all-reduce in the
+    backward's thread (asynchronous where the backend's `sync_op=False` is, as NCCL's; Paddle
+    3.3's gloo runs it to the end inside the hook); "thread", the hooks hand it to a thread
+    of this process that runs the all-reduces in order, on a process group of its own (its
+    messages never meet the head's), while the backward goes on; "after", every bucket is
+    sent by `finish` (`arm` does nothing).
 
-    def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES, dtype="float32"):
+    `timing()` after `finish`: how long the step's all-reduces ran, as far as seen (gloo's,
+    which end when their call returns, and the thread's; on NCCL the part after the call is
+    not seen), how long this thread waited for them, and how many buckets the backward sent."""
+
+    def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES, dtype="float32",
+                 mode="backward"):
         if dtype not in pd.WIRE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(pd.WIRE_DTYPES)}, got {dtype!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.params = [p for p in params if not p.stop_gradient]
-        self.group, self.dtype = group, dtype
+        self.group, self.dtype, self.mode = group, dtype, mode
         self.buckets, self._bucket_of = [], {}
         size = 0
         for p in reversed(self.params):  # the backward completes the last layers first
@@ -98,7 +142,14 @@ class OverlappedSum:
         self._ready = [0] * len(self.buckets)
         self._sent = {}  # bucket -> (its gradients, wait() giving their flat sum)
         self._error = None  # what a hook's all-reduce raised (e.g. a lost rank), for `finish`
-        if pd.group_rank_size(group)[1] > 1:
+        self._comm = None
+        self._times = dict.fromkeys(("ran", "waited", "in_backward"), 0)
+        world = pd.group_rank_size(group)[1]
+        if world > 1 and mode == "thread":
+            import paddle.distributed as dist  # a group of the same ranks, its own connections
+            self.group = dist.new_group(group.ranks if group is not None else list(range(world)))
+            self._comm = _CommThread()
+        if world > 1 and mode != "after":
             for p in self.params:
                 p._register_backward_hook(functools.partial(self._gradient_ready, id(p)))
 
@@ -107,10 +158,48 @@ class OverlappedSum:
         (buckets an earlier armed backward sent are waited for and dropped)."""
         for _, wait in self._sent.values():
             wait()
-        self._armed = True
+        self._armed = self.mode != "after"
         self._ready = [0] * len(self.buckets)
         self._sent = {}
         self._error = None
+        self._times = dict.fromkeys(self._times, 0)
+
+    def timing(self):
+        """The last `finish`'s all-reduces: {"ran_s": seconds they ran as seen, "waited_s":
+        seconds this thread was blocked in them, "hidden_s": the difference, "in_backward":
+        buckets the backward's hooks sent}."""
+        ran, waited = self._times["ran"], self._times["waited"]
+        return {"ran_s": ran, "waited_s": waited, "hidden_s": max(0.0, ran - waited),
+                "in_backward": self._times["in_backward"]}
+
+    def _issue(self, call):
+        """`start_sum`'s `issue`: the collective in this thread, or on the communication
+        thread; counts the seconds it ran and those this thread waited."""
+        times, clock = self._times, time.perf_counter
+        if self._comm is None:
+            start = clock()
+            task = call()
+            seconds = clock() - start
+            times["ran"] += seconds
+            times["waited"] += seconds
+
+            def wait():
+                start = clock()
+                task.wait()
+                seconds = clock() - start
+                times["ran"] += seconds
+                times["waited"] += seconds
+            return wait
+        done = self._comm.submit(call)
+
+        def wait():
+            start = clock()
+            done.wait()
+            times["waited"] += clock() - start
+            times["ran"] += done.seconds
+            if done.error is not None:
+                raise done.error
+        return wait
 
     def _gradient_ready(self, key, *args):
         if not self._armed or self._error is not None:
@@ -120,6 +209,7 @@ class OverlappedSum:
         if self._ready[b] == len(self.buckets[b]):
             try:
                 self._send(b)
+                self._times["in_backward"] += 1
             except Exception as err:  # noqa: BLE001 -- raised by `finish`: Paddle's backward
                 self._error = err  # turns an error in a hook into a SystemError without it
 
@@ -128,14 +218,16 @@ class OverlappedSum:
         if extra is not None:
             grads.append(extra)
         if grads:  # `extra` (b None) goes alone, in float32
-            self._sent[b] = (grads, _reduce_flat(grads, self.group,
-                                                 self.dtype if b is not None else "float32"))
+            wire = self.dtype if b is not None else "float32"
+            self._sent[b] = (grads, _reduce_flat(grads, self.group, wire, self._issue))
 
     def finish(self, extra=None):
         """Send the buckets not sent yet (gradients the backward did not reach, or all of
         them without `arm`) and `extra` (a float32 tensor of a few values, in a bucket of its
         own), wait for all, write the sums into the gradients; returns `extra` summed. An
         error of an all-reduce started during the backward (a lost rank) is raised here."""
+        if not self._armed:
+            self._times = dict.fromkeys(self._times, 0)
         self._armed = False
         if self._error is not None:
             error, self._error, self._sent = self._error, None, {}
@@ -146,7 +238,7 @@ class OverlappedSum:
             if b not in self._sent:
                 self._send(b)
         self._send(None, extra)
-        for grads, wait in self._sent.values():
+        sent, self._sent = self._sent, {}
+        for grads, wait in sent.values():
             _write_back(grads, wait())
-        self._sent = {}
         return extra

@@ -25,6 +25,14 @@ pauses the outer one), so the phases of a step add up to its wall time:
 - ``checkpoint_eval``: checkpoints and evaluations (a step's ``wall_s`` leaves them out; they
   are in ``checkpoint_eval_s``).
 
+Beside the phases, each step records its backbone gradient all-reduces (`OverlappedSum.timing`):
+``grad_sum_ran_s``, how long they ran as far as seen; ``grad_sum_exposed_s``, how long the main
+thread was blocked in them (part of ``collectives``); ``grad_sum_hidden_s``, the rest, which
+ran behind the backward (on the communication thread of ``Optimizer.grad_sync: thread``; gloo
+runs a ``backward`` all-reduce to its end inside the hook, so all of it is exposed there);
+``grad_sum_buckets_in_backward``, how many buckets the backward's hooks sent. Collectives
+called from another thread than the one timing the steps are not timed as a phase.
+
 A step runs from the end of the previous one (the first: from its first fetch) to the end of
 its checks after the update. The file also holds the rank's peak resident memory (VmHWM) as
 `train` ends.
@@ -32,6 +40,7 @@ its checks after the update. The file also holds the rank's peak resident memory
 import contextlib
 import json
 import os
+import threading
 import time
 
 from ..fileio import atomic_write
@@ -62,6 +71,7 @@ class StepTimers:
         self.steps = []
         self._stack, self._t, self._start = [], None, None
         self._totals = dict.fromkeys(PHASES + (_EXCLUDED,), 0.0)
+        self.thread = threading.get_ident()  # the thread whose time the phases share
 
     def _accrue(self):
         now = self.clock()
@@ -99,7 +109,8 @@ class StepTimers:
         finally:
             self.leave()
 
-    def end_step(self, step):
+    def end_step(self, step, extra=None):
+        """Close step `step`'s record, with the values of `extra` ({name: number}) added."""
         now = self._accrue()
         if self._start is None:
             return
@@ -107,6 +118,7 @@ class StepTimers:
         record = {"step": int(step), "wall_s": now - self._start - excluded,
                   "checkpoint_eval_s": excluded}
         record.update(self._totals)
+        record.update(extra or {})
         self.steps.append(record)
         self._totals = dict.fromkeys(PHASES + (_EXCLUDED,), 0.0)
         self._start, self._stack = now, ["checks_logging"]
@@ -143,6 +155,8 @@ class _TimedDist:
             return attr
 
         def timed(*args, **kwargs):
+            if threading.get_ident() != self._timers.thread:  # e.g. the gradient sum's thread
+                return attr(*args, **kwargs)
             with self._timers.phase("collectives"):
                 task = attr(*args, **kwargs)
             return (_TimedTask(task, self._timers)
@@ -164,6 +178,13 @@ def _wrap(obj, name, before, after, undo):
     undo.append(lambda: delattr(obj, name))
 
 
+def _gradient_sum(summer):
+    """The step record's ``grad_sum_*`` values from `OverlappedSum.timing`."""
+    t = summer.timing()
+    return {"grad_sum_ran_s": t["ran_s"], "grad_sum_exposed_s": t["waited_s"],
+            "grad_sum_hidden_s": t["hidden_s"], "grad_sum_buckets_in_backward": t["in_backward"]}
+
+
 def _install(trainer, timers):
     """Hook `timers` into `trainer`; returns the list of functions that undo it."""
     from ..distributed import collective
@@ -178,7 +199,8 @@ def _install(trainer, timers):
             _wrap(opt, name, lambda: timers.enter("optimizer"), timers.leave, undo)
     for name in ("_send", "finish"):  # the backbone's gradient sum: bucket copies, sends, waits
         _wrap(trainer.gradient_sum, name, lambda: timers.enter("collectives"), timers.leave, undo)
-    _wrap(trainer, "_after_step", lambda: None, lambda: timers.end_step(trainer.step), undo)
+    _wrap(trainer, "_after_step", lambda: None,
+          lambda: timers.end_step(trainer.step, _gradient_sum(trainer.gradient_sum)), undo)
 
     def embedding_ready(grad):  # the head's backward has reached the embedding
         timers.switch("head", "backbone")

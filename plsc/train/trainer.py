@@ -145,7 +145,8 @@ class Trainer(Checkpointing, Stopping):
         self.backbone_opt = build_backbone_optimizer(cfg, self.backbone.parameters(), self.lr)
         # The backbone's gradients are summed across ranks while the backward goes on.
         self.gradient_sum = OverlappedSum(self.backbone.parameters(),
-                                          dtype=cfg["Optimizer"]["grad_allreduce_dtype"])
+                                          dtype=cfg["Optimizer"]["grad_allreduce_dtype"],
+                                          mode=cfg["Optimizer"]["grad_sync"])
         self.head_opt = build_head_optimizer(cfg, self.lr)
         self.scaler = build_loss_scaler(cfg["AMP"])
         self.nonfinite = NonFiniteSteps(cfg["Global"]["max_nonfinite_steps"])
