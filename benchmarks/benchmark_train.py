@@ -194,6 +194,8 @@ def measured(reports, warmup):
                            else None for r in reports]}
     if "torch" in reports[0]:
         out["torch"] = reports[0]["torch"]
+    if "vm_hwm_mb" in reports[0]["steps"][0]:  # the torch side: its peak, step by step
+        out["peak_rss_mb_by_step"] = [[s["vm_hwm_mb"] for s in r["steps"]] for r in reports]
     phases = [p for p in reports[0].get("phases", ()) if p in steps[0]]
     if phases:
         out["phase_ms"] = {p: 1000 * sum(s[p] for s in steps) / len(steps) for p in phases}
@@ -212,6 +214,8 @@ def median_of(runs):
                            for i in range(len(runs[0]["peak_rss_mb"]))]}
     if "torch" in runs[0]:
         out["torch"] = runs[0]["torch"]
+    if "peak_rss_mb_by_step" in runs[-1]:  # the last repeat's
+        out["peak_rss_mb_by_step"] = runs[-1]["peak_rss_mb_by_step"]
     if "phase_ms" in runs[0]:
         out["phase_ms"] = {p: med([r["phase_ms"][p] for r in runs]) for p in runs[0]["phase_ms"]}
     return out
