@@ -1,8 +1,8 @@
 """benchmarks/isa_cap.py: the environment each cap gives both sides' child processes, and
 the CPU flags it reports (against /proc/cpuinfo read here)."""
-from scripts import load
+import scripts
 
-isa_cap = load("benchmarks/isa_cap.py")
+isa_cap = scripts.load("benchmarks/isa_cap.py")
 
 
 def test_avx2_caps_every_library_and_native_removes_inherited_caps():
