@@ -172,19 +172,26 @@ def test_scratch_slots_grow_and_release():
     assert s.nbytes() == 0
 
 
-def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch):
-    """Under `paddle.no_grad` (an evaluation) a batch whose blocked copies exceed what the
-    scratch holds runs in pieces of samples: the scratch does not grow to the batch, and the
-    output equals Paddle's conv2d and the one-call forward."""
+def _staged_case(seed, batch, size):
+    """oneDNN's conv module, the shared scratch, an 8 -> 16 3 x 3 Conv2D with bias and an
+    input [batch, 8, size, size] on the oneDNN path (else the test is skipped)."""
     if not onednn.available():
         pytest.skip("no oneDNN")
     from plsc.kernels.onednn import conv as onednn_conv
     from plsc.kernels.onednn.library import SCRATCH
-    paddle.seed(3)
+    paddle.seed(seed)
     conv = Conv2D(8, 16, 3, stride=1, padding=1)
-    x = paddle.randn([13, 8, 20, 20])
+    x = paddle.randn([batch, 8, size, size])
     if not takes_onednn(x, conv.weight):
         pytest.skip("the CPU kernel set is not in use")
+    return onednn_conv, SCRATCH, conv, x
+
+
+def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch):
+    """Under `paddle.no_grad` (an evaluation) a batch whose blocked copies exceed what the
+    scratch holds runs in pieces of samples: the scratch does not grow to the batch, and the
+    output equals Paddle's conv2d and the one-call forward."""
+    onednn_conv, SCRATCH, conv, x = _staged_case(3, 13, 20)
     with paddle.no_grad():
         want = F.conv2d(x, conv.weight, conv.bias, padding=1).numpy()
         SCRATCH.release()
@@ -275,15 +282,7 @@ def test_training_in_pieces_matches_paddle_and_bounds_the_scratch(monkeypatch):
     """A training call whose staged activations exceed the budget runs forward and gradients
     in pieces of the batch (the weight and bias gradients summed over the pieces): the values
     against Paddle's conv2d and its autograd, and the scratch below the one-call size."""
-    if not onednn.available():
-        pytest.skip("no oneDNN")
-    from plsc.kernels.onednn import conv as onednn_conv
-    from plsc.kernels.onednn.library import SCRATCH
-    paddle.seed(5)
-    conv = Conv2D(8, 16, 3, stride=1, padding=1)
-    x = paddle.randn([7, 8, 12, 12])
-    if not takes_onednn(x, conv.weight):
-        pytest.skip("the CPU kernel set is not in use")
+    onednn_conv, SCRATCH, conv, x = _staged_case(5, 7, 12)
     upstream = paddle.randn([7, 16, 12, 12])
 
     def step():
