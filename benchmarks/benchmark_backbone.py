@@ -39,6 +39,11 @@ machine while other jobs ran, 1-minute load about 2: arcface_torch's r18 step at
 4.2 s with 2 threads, 0.6 s with 1 or with `OMP_WAIT_POLICY=passive`); each measurement
 records the 1-minute load average when it starts and the OpenMP variables set. Measure on an
 idle machine.
+`--isa` caps the instruction set of all three workers alike (benchmarks/isa_cap.py: oneDNN,
+MKL, numpy, OpenBLAS and ATen at AVX2 with `avx2`; none of those variables with `native`);
+several caps give one row each per backbone, the workers alternated cap by cap. The document
+carries the CPU's SIMD flags, each cap's variables and a probe of what oneDNN, numpy and ATen
+run under it, for both interpreters.
 The threads each used are read from the process: Paddle's from the OpenMP runtime it bundles
 (omp_get_max_threads of paddle/libs/libiomp5.so, through ctypes), plsc's own kernels'
 (`plsc.process.runtime.kernel_threads`), torch's `torch.get_num_threads()`.
@@ -60,6 +65,8 @@ import os
 import subprocess
 import sys
 import time
+
+import isa_cap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKBONES = ("r18", "r50", "mbf", "vit_t")
@@ -321,7 +328,7 @@ def torch_worker(name, batch, warmup, steps, profile, arcface_dir):
 
 # --------------------------------------------------------------------------- main
 
-def _run_worker(python, kind, name, args):
+def _run_worker(python, kind, name, args, cap):
     cmd = [python, os.path.abspath(__file__), "--worker", kind, "--backbones", name,
            "--batch", str(args.batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     if kind == "torch":
@@ -329,13 +336,13 @@ def _run_worker(python, kind, name, args):
     if args.profile:
         cmd.append("--profile")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=REPO)
+                          cwd=REPO, env=isa_cap.cap_env(cap))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return {"kind": kind, "backbone": name, "error": f"exit {proc.returncode}",
+        return {"kind": kind, "backbone": name, "isa_cap": cap, "error": f"exit {proc.returncode}",
                 "stderr_tail": tail}
-    return json.loads(lines[-1])
+    return dict(json.loads(lines[-1]), isa_cap=cap)
 
 
 def _best(result):
@@ -356,6 +363,9 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="time per op kind of one step of the first backbone")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=list(isa_cap.CAPS),
+                        help="instruction-set cap(s) of every worker (benchmarks/isa_cap.py; "
+                        "default: native)")
     parser.add_argument("--worker", choices=["plsc_run", "plsc_loop", "torch"],
                         help=argparse.SUPPRESS)  # one measurement, in this fresh process
     args = parser.parse_args(argv)
@@ -378,13 +388,16 @@ def main(argv=None):
     torch_on = bool(args.torch_python)
     report = {"benchmark": "backbone", "batch": args.batch, "image_size": IMAGE_SIZE,
               "embedding_size": EMBEDDING, "warmup": args.warmup, "steps": args.steps,
-              "load_avg_1m_start": round(os.getloadavg()[0], 2)}
+              "load_avg_1m_start": round(os.getloadavg()[0], 2),
+              "cpu_simd": isa_cap.cpu(), "isa_caps": {c: isa_cap.CAPS[c] for c in args.isa},
+              "isa_probe": {c: isa_cap.check(c, args.torch_python, REPO) for c in args.isa}}
 
     if args.profile:
-        name = args.backbones[0]
-        prof = {"plsc": _run_worker(sys.executable, "plsc_run", name, args)}
-        prof["torch"] = (_run_worker(args.torch_python, "torch", name, args) if torch_on
+        name, cap = args.backbones[0], args.isa[0]
+        prof = {"plsc": _run_worker(sys.executable, "plsc_run", name, args, cap)}
+        prof["torch"] = (_run_worker(args.torch_python, "torch", name, args, cap) if torch_on
                          else "not run")
+        report["isa_cap"] = cap
         report.update(backbone=name, profile={
             side: (r.get("profile", r) if isinstance(r, dict) else r) for side, r in prof.items()})
         report["paddle"] = prof["plsc"].get("paddle")
@@ -395,10 +408,11 @@ def main(argv=None):
             report["torch_threads"] = prof["torch"].get("torch_threads")
     else:
         rows, raw = [], []
-        for name in args.backbones:
-            run = _run_worker(sys.executable, "plsc_run", name, args)
-            loop = _run_worker(sys.executable, "plsc_loop", name, args)
-            tor = _run_worker(args.torch_python, "torch", name, args) if torch_on else None
+        for name, cap in [(n, c) for n in args.backbones for c in args.isa]:
+            run = _run_worker(sys.executable, "plsc_run", name, args, cap)
+            loop = _run_worker(sys.executable, "plsc_loop", name, args, cap)
+            tor = (_run_worker(args.torch_python, "torch", name, args, cap) if torch_on
+                   else None)
             raw += [r for r in (run, loop, tor) if r is not None]
             run_s, loop_s = _best(run), _best(loop)
             torch_s = _best(tor) if tor else "not run"
@@ -408,7 +422,7 @@ def main(argv=None):
                     return "not run"
                 return round(s / torch_s, 3) if s and torch_s else None
             rows.append({
-                "backbone": name, "plsc_run_s": run_s, "plsc_loop_s": loop_s,
+                "backbone": name, "isa_cap": cap, "plsc_run_s": run_s, "plsc_loop_s": loop_s,
                 "torch_s": torch_s, "ratio_run": ratio(run_s), "ratio_loop": ratio(loop_s),
                 "threads": {"plsc_run": run.get("paddle_threads"),
                             "plsc_loop": loop.get("paddle_threads"),

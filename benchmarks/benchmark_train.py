@@ -23,6 +23,11 @@ launch of each side; the figures are medians over the repeats.
   checkout's modules; see its docstring) under `torchrun --nproc_per_node 2` from
   --torch-python; without --torch-python and --arcface-torch its column says "not run".
 - Peak RSS: each rank's VmHWM as its training ends (loader workers not counted).
+- ISA caps (--isa, benchmarks/isa_cap.py): `avx2` starts both sides' launchers (so their ranks
+  and loader workers) with oneDNN, MKL, numpy, OpenBLAS and ATen capped at AVX2, `native`
+  with none of those variables; several caps alternate within each repeat. The document
+  carries the CPU's SIMD flags, each cap's variables and a probe, per cap and side, of what
+  oneDNN, numpy and ATen then run (a small process started with the same environment).
 
 Cases (--cases): r18 (IResNet18, CosFace, dense head of --classes, default 1000, SGD), r50_pfc
 (IResNet50, ArcFace, Partial FC 0.1 over 100,000 classes, SGD), vit_t (ViT-T as in
@@ -39,6 +44,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import isa_cap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS = 2
@@ -112,8 +119,8 @@ def plsc_config(spec, args, images):
                             "warmup_indexing": "arcface_torch"}}
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONPATH=REPO)
+def _env(cap):
+    env = isa_cap.cap_env(cap, dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONPATH=REPO))
     env.pop("PLSC_STEP_TIMES", None)
     return env
 
@@ -128,14 +135,14 @@ def _run(cmd, env, log_path):
         return f"exit {rc}: " + f.read()[-1500:]
 
 
-def run_plsc(spec, args, images, run_dir):
+def run_plsc(spec, args, images, run_dir, cap):
     """One launch of tools/train.py; its rank reports (plsc/train/timers.py) or an error."""
     import yaml
     os.makedirs(run_dir, exist_ok=True)
     cfg_path = os.path.join(run_dir, "config.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(plsc_config(spec, args, images), f, sort_keys=False)
-    env = _env()
+    env = _env(cap)
     env["PLSC_STEP_TIMES"] = os.path.join(run_dir, "steps")
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(RANKS),
            "--log_dir", os.path.join(run_dir, "launch"), os.path.join(REPO, "tools", "train.py"),
@@ -156,7 +163,7 @@ def _read_ranks(prefix):
 
 
 # ------------------------------------------------------------------------------ torch
-def run_torch(spec, args, images, run_dir):
+def run_torch(spec, args, images, run_dir, cap):
     """One torchrun launch of benchmark_train_torch.py; its rank reports or an error."""
     os.makedirs(run_dir, exist_ok=True)
     prefix = os.path.join(run_dir, "steps")
@@ -167,7 +174,7 @@ def run_torch(spec, args, images, run_dir):
            "--spec", json.dumps(spec), "--batch", str(args.batch), "--workers", str(args.workers),
            "--steps", str(args.warmup + args.steps), "--threads", str(THREADS),
            "--out", prefix, "--save-dir", os.path.join(run_dir, "output")]
-    env = _env()
+    env = _env(cap)
     env.pop("PYTHONPATH")
     error = _run(cmd, env, os.path.join(run_dir, "run.log"))
     return error or _read_ranks(prefix)
@@ -187,6 +194,8 @@ def measured(reports, warmup):
                            else None for r in reports]}
     if "torch" in reports[0]:
         out["torch"] = reports[0]["torch"]
+    if "vm_hwm_mb" in reports[0]["steps"][0]:  # the torch side: its peak, step by step
+        out["peak_rss_mb_by_step"] = [[s["vm_hwm_mb"] for s in r["steps"]] for r in reports]
     phases = [p for p in reports[0].get("phases", ()) if p in steps[0]]
     if phases:
         out["phase_ms"] = {p: 1000 * sum(s[p] for s in steps) / len(steps) for p in phases}
@@ -205,28 +214,63 @@ def median_of(runs):
                            for i in range(len(runs[0]["peak_rss_mb"]))]}
     if "torch" in runs[0]:
         out["torch"] = runs[0]["torch"]
+    if "peak_rss_mb_by_step" in runs[-1]:  # the last repeat's
+        out["peak_rss_mb_by_step"] = runs[-1]["peak_rss_mb_by_step"]
     if "phase_ms" in runs[0]:
         out["phase_ms"] = {p: med([r["phase_ms"][p] for r in runs]) for p in runs[0]["phase_ms"]}
     return out
 
 
+def ratios(result):
+    """plsc over arcface_torch: samples/s, and the larger rank's peak RSS (None when a side
+    did not run)."""
+    plsc, torch = result["plsc"], result["arcface_torch"]
+    if not (isinstance(plsc, dict) and isinstance(torch, dict)):
+        return {"samples_per_s": None, "peak_rss_per_rank": None}
+    return {"samples_per_s": round(plsc["samples_per_s"] / torch["samples_per_s"], 3),
+            "peak_rss_per_rank": round(max(plsc["peak_rss_mb"]) / max(torch["peak_rss_mb"]), 3)}
+
+
 def markdown(doc):
-    """The results as a markdown table (plsc's breakdown in ms per step)."""
-    head = ("| case | side | samples/s | step ms | peak RSS rank 0 / 1 (MB) | "
+    """The results as two markdown tables: docs/performance.md's summary (CPU flags, cap,
+    samples/s, ratios, peak RSS per rank) and plsc's breakdown in ms per step."""
+    flags = " ".join(f for f in doc["cpu"]["simd_flags"] if f in ("avx2", "fma", "avx512f",
+                                                                 "avx512_bf16", "amx_tile"))
+    lines = [f"CPU: {doc['cpu']['model']}, {flags}", "",
+             "| case | ISA cap | plsc samples/s | arcface_torch | ratio | peak RSS per rank MB, "
+             "plsc / arcface_torch | RSS ratio |", "|" + " --- |" * 7]
+    for case, per_cap in doc["cases"].items():
+        for cap, res in per_cap["caps"].items():
+            def sps(side):
+                r = res[side]
+                return f"{r['samples_per_s']:.2f}" if isinstance(r, dict) else str(r)[:40]
+
+            def rss(side):
+                r = res[side]
+                return ("/".join(f"{v:.0f}" for v in r["peak_rss_mb"]) if isinstance(r, dict)
+                        else "")
+            q = res["ratio"]
+            lines.append(f"| {case} | {cap} | {sps('plsc')} | {sps('arcface_torch')} | "
+                         f"{q['samples_per_s'] or ''}{'x' if q['samples_per_s'] else ''} | "
+                         f"{rss('plsc')} ; {rss('arcface_torch')} | "
+                         f"{q['peak_rss_per_rank'] or ''}{'x' if q['peak_rss_per_rank'] else ''} |")
+    head = ("| case | ISA cap | side | samples/s | step ms | peak RSS rank 0 / 1 (MB) | "
             + " | ".join(PHASES) + " |")
-    lines = [head, "|" + " --- |" * (5 + len(PHASES))]
-    for case, sides in doc["cases"].items():
-        for side in ("plsc", "arcface_torch"):
-            res = sides[side]
-            if not isinstance(res, dict):
-                text = " ".join(str(res).split()).replace("|", "/")[:120]
-                lines.append(f"| {case} | {side} | {text} |" + " |" * (3 + len(PHASES)))
-                continue
-            rss = " / ".join(f"{v:.0f}" for v in res["peak_rss_mb"])
-            phases = [f"{res['phase_ms'][p]:.0f}" if p in res.get("phase_ms", {}) else ""
-                      for p in PHASES]
-            lines.append(f"| {case} | {side} | {res['samples_per_s']:.1f} | {res['step_ms']:.0f} "
-                         f"| {rss} | " + " | ".join(phases) + " |")
+    lines += ["", head, "|" + " --- |" * (6 + len(PHASES))]
+    for case, per_cap in doc["cases"].items():
+        for cap, sides in per_cap["caps"].items():
+            for side in ("plsc", "arcface_torch"):
+                res = sides[side]
+                if not isinstance(res, dict):
+                    text = " ".join(str(res).split()).replace("|", "/")[:120]
+                    lines.append(f"| {case} | {cap} | {side} | {text} |"
+                                 + " |" * (3 + len(PHASES)))
+                    continue
+                rss = " / ".join(f"{v:.0f}" for v in res["peak_rss_mb"])
+                phases = [f"{res['phase_ms'][p]:.0f}" if p in res.get("phase_ms", {}) else ""
+                          for p in PHASES]
+                lines.append(f"| {case} | {cap} | {side} | {res['samples_per_s']:.1f} | "
+                             f"{res['step_ms']:.0f} | {rss} | " + " | ".join(phases) + " |")
     return "\n".join(lines)
 
 
@@ -249,6 +293,9 @@ def parse_args(argv):
     p.add_argument("--torch-python", help="a Python with torch and torchvision: runs "
                    "arcface_torch's side; without it that column says 'not run'")
     p.add_argument("--arcface-torch", help="arcface_torch's directory (with --torch-python)")
+    p.add_argument("--isa", nargs="+", default=["native"], choices=list(isa_cap.CAPS),
+                   help="instruction-set cap(s) for both sides' processes (benchmarks/isa_cap.py"
+                        "); several alternate within each repeat (default: native)")
     p.add_argument("--out", help="write the JSON document here (else stdout)")
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     args = p.parse_args(argv)
@@ -261,28 +308,35 @@ def parse_args(argv):
 
 
 def run_case(name, args, images):
-    """Both sides of case `name`, alternating, --repeats times; their medians."""
+    """Both sides of case `name` under each cap, alternating, --repeats times; their
+    medians per cap."""
     spec = case_spec(name, args.classes)
     sides = {"plsc": run_plsc}
     if args.torch_python:
         sides["arcface_torch"] = run_torch
-    runs = {side: [] for side in sides}
+    runs = {(cap, side): [] for cap in args.isa for side in sides}
     errors = {}
     for rep in range(args.repeats):
-        for side, run in sides.items():
-            run_dir = os.path.join(args.workdir, "runs", f"{name}_{side}_{rep}")
-            got = run(spec, args, images, run_dir)
-            if isinstance(got, str):
-                errors[side] = got
-                print(f"{name} {side} repeat {rep}: failed: {got}", file=sys.stderr)
-            else:
-                runs[side].append(measured(got, args.warmup))
-                print(f"{name} {side} repeat {rep}: {runs[side][-1]['samples_per_s']:.2f} "
-                      "samples/s", file=sys.stderr)
-    out = {"spec": spec}
-    for side in ("plsc", "arcface_torch"):
-        out[side] = (median_of(runs[side]) or f"failed: {errors[side][:300]}" if side in sides
-                     else "not run")
+        for cap in args.isa:
+            for side, run in sides.items():
+                run_dir = os.path.join(args.workdir, "runs", f"{name}_{cap}_{side}_{rep}")
+                got = run(spec, args, images, run_dir, cap)
+                tag = f"{name} {cap} {side} repeat {rep}"
+                if isinstance(got, str):
+                    errors[cap, side] = got
+                    print(f"{tag}: failed: {got}", file=sys.stderr)
+                else:
+                    runs[cap, side].append(measured(got, args.warmup))
+                    print(f"{tag}: {runs[cap, side][-1]['samples_per_s']:.2f} samples/s, peak "
+                          f"RSS {runs[cap, side][-1]['peak_rss_mb']} MB", file=sys.stderr)
+    out = {"spec": spec, "caps": {}}
+    for cap in args.isa:
+        res = {}
+        for side in ("plsc", "arcface_torch"):
+            res[side] = (median_of(runs[cap, side]) or f"failed: {errors[cap, side][:300]}"
+                         if side in sides else "not run")
+        res["ratio"] = ratios(res)
+        out["caps"][cap] = res
     return out
 
 
@@ -301,6 +355,8 @@ def main(argv=None):
            "repeats": args.repeats, "loader_workers_per_rank": args.workers,
            "plsc_grad_allreduce_dtype": args.grad_allreduce_dtype,
            "images": {"root": images, "identities": identities, "per_identity": per},
+           "cpu": isa_cap.cpu(), "isa_caps": {cap: isa_cap.CAPS[cap] for cap in args.isa},
+           "isa_probe": {cap: isa_cap.check(cap, args.torch_python, REPO) for cap in args.isa},
            "load_average_at_start": os.getloadavg(), "cases": {}}
     for name in args.cases:
         doc["cases"][name] = run_case(name, args, images)

@@ -25,8 +25,10 @@ What differs from train_v2.py, because this runs on the CPU without MXNet:
   `sync_random_seed` broadcasts its seed from a CPU tensor (its default device is "cuda");
   `torch.cuda.set_device` is not called.
 
-Writes `<--out>.rank<r>.json`: per step its wall time and the part spent waiting for the
-loader (`data`), the global batch, torch's version and threads, and the rank's VmHWM.
+Writes `<--out>.rank<r>.json`: per step its wall time, the part spent waiting for the
+loader (`data`) and the rank's VmRSS and VmHWM at its end (glibc's retained free blocks make
+the peak grow over a run's first tens of steps: docs/performance.md, issue 63); the global
+batch, torch's version and threads, and the rank's VmHWM at the end.
 """
 import argparse
 import json
@@ -116,7 +118,8 @@ def train(loader, backbone, head, opt, sched, steps, save_dir, rank):
             sched.step()
             loss.item()  # train_v2: loss_am.update(loss.item(), 1)
             now = time.perf_counter()
-            records.append({"step": step, "wall_s": now - start, "data": data})
+            records.append({"step": step, "wall_s": now - start, "data": data,
+                            "vm_rss_mb": status_mb("VmRSS"), "vm_hwm_mb": status_mb("VmHWM")})
             start = now
         epoch += 1
         if rank == 0:  # train_v2 saves the backbone at each epoch's end: not in a step's time
@@ -125,6 +128,12 @@ def train(loader, backbone, head, opt, sched, steps, save_dir, rank):
             torch.save(backbone.module.state_dict(), os.path.join(save_dir, "model.pt"))
             start += time.perf_counter() - t0
     return records
+
+
+def status_mb(key):
+    """/proc/self/status's `key` (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith(key + ":"))
 
 
 def vm_hwm():

@@ -172,19 +172,26 @@ def test_scratch_slots_grow_and_release():
     assert s.nbytes() == 0
 
 
-def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch):
-    """Under `paddle.no_grad` (an evaluation) a batch whose blocked copies exceed what the
-    scratch holds runs in pieces of samples: the scratch does not grow to the batch, and the
-    output equals Paddle's conv2d and the one-call forward."""
+def _staged_case(seed, batch, size):
+    """oneDNN's conv module, the shared scratch, an 8 -> 16 3 x 3 Conv2D with bias and an
+    input [batch, 8, size, size] on the oneDNN path (else the test is skipped)."""
     if not onednn.available():
         pytest.skip("no oneDNN")
     from plsc.kernels.onednn import conv as onednn_conv
     from plsc.kernels.onednn.library import SCRATCH
-    paddle.seed(3)
+    paddle.seed(seed)
     conv = Conv2D(8, 16, 3, stride=1, padding=1)
-    x = paddle.randn([13, 8, 20, 20])
+    x = paddle.randn([batch, 8, size, size])
     if not takes_onednn(x, conv.weight):
         pytest.skip("the CPU kernel set is not in use")
+    return onednn_conv, SCRATCH, conv, x
+
+
+def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch):
+    """Under `paddle.no_grad` (an evaluation) a batch whose blocked copies exceed what the
+    scratch holds runs in pieces of samples: the scratch does not grow to the batch, and the
+    output equals Paddle's conv2d and the one-call forward."""
+    onednn_conv, SCRATCH, conv, x = _staged_case(3, 13, 20)
     with paddle.no_grad():
         want = F.conv2d(x, conv.weight, conv.bias, padding=1).numpy()
         SCRATCH.release()
@@ -192,7 +199,7 @@ def test_forward_without_gradients_keeps_the_scratch_and_the_values(monkeypatch)
         whole_bytes = onednn.scratch_bytes()
         SCRATCH.release()
         per_sample = 16 * 20 * 20 * 4  # the largest plain activation of one sample
-        monkeypatch.setattr(onednn_conv, "NO_GRAD_CALL_BYTES", 3 * per_sample)
+        monkeypatch.setattr(onednn_conv, "CALL_BYTES", 3 * per_sample)
         plan = onednn.plan(x.shape, conv.weight.shape, (1, 1), (1, 1), (1, 1), (1, 1), 1, True)
         assert 1 < onednn.samples_per_call(plan, 13) < 13
         pieces = conv(x).numpy()
@@ -269,3 +276,38 @@ def test_strided_gradients_take_the_forward_layouts():
     (F.conv2d(xr, wr, stride=2, padding=1) * upstream).sum().backward()
     np.testing.assert_allclose(x.grad.numpy(), xr.grad.numpy(), atol=2e-5)
     np.testing.assert_allclose(conv.weight.grad.numpy(), wr.grad.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_training_in_pieces_matches_paddle_and_bounds_the_scratch(monkeypatch):
+    """A training call whose staged activations exceed the budget runs forward and gradients
+    in pieces of the batch (the weight and bias gradients summed over the pieces): the values
+    against Paddle's conv2d and its autograd, and the scratch below the one-call size."""
+    onednn_conv, SCRATCH, conv, x = _staged_case(5, 7, 12)
+    upstream = paddle.randn([7, 16, 12, 12])
+
+    def step():
+        xs = x.detach()
+        xs.stop_gradient = False
+        conv.clear_gradients()
+        y = conv(xs)
+        (y * upstream).sum().backward()
+        return [y.numpy(), xs.grad.numpy(), conv.weight.grad.numpy(), conv.bias.grad.numpy()]
+    SCRATCH.release()
+    step()
+    whole_bytes = onednn.scratch_bytes()
+    SCRATCH.release()
+    monkeypatch.setattr(onednn_conv, "CALL_BYTES", 3 * 16 * 12 * 12 * 4)  # 3 samples a piece
+    plan = onednn.plan(x.shape, conv.weight.shape, (1, 1), (1, 1), (1, 1), (1, 1), 1, True)
+    assert onednn.samples_per_call(plan, 7) == 3  # pieces of 3, 3 and 1
+    got = step()
+    # the staged output: 3 samples' instead of 7 (the weights' blocked copy stays as it was)
+    assert onednn.scratch_bytes() <= whole_bytes - 4 * 16 * 12 * 12 * 4
+    x2, w2, b2 = (t.detach() for t in (x, conv.weight, conv.bias))
+    for t in (x2, w2, b2):
+        t.stop_gradient = False
+    y2 = F.conv2d(x2, w2, b2, padding=1)
+    (y2 * upstream).sum().backward()
+    for name, g, r in zip(["y", "dx", "dw", "db"], got,
+                          [y2.numpy(), x2.grad.numpy(), w2.grad.numpy(), b2.grad.numpy()]):
+        np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * max(1.0, float(np.abs(r).max())),
+                                   err_msg=name)

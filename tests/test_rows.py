@@ -73,3 +73,26 @@ def test_layer_norm_frozen_input_and_strided_rows():
     xr.stop_gradient = False
     (F.layer_norm(xr, 8, norm.weight.detach(), norm.bias.detach()) * g).sum().backward()
     _close(xs.grad.numpy(), xr.grad.numpy(), "dx")
+
+
+def test_softmax_backward_without_a_jit_kernel(kernels, monkeypatch):
+    """Below AVX-512 oneDNN's softmax backward is its reference kernel; the layer then takes
+    numpy's (cpu_kernels.softmax_grad): its gradient against float64's y·(g − Σ y·g), over
+    rows in several slabs."""
+    if kernels != "cpu":
+        pytest.skip("the CPU kernel set's path")
+    from plsc.kernels.onednn import rows as onednn_rows
+
+    def no_onednn_backward(*args):
+        raise AssertionError("oneDNN's backward ran")
+    monkeypatch.setattr(onednn_rows._Softmax, "backward_is_reference", lambda self: True)
+    monkeypatch.setattr(onednn_rows._Softmax, "backward", no_onednn_backward)
+    rng = np.random.default_rng(3)
+    xs = (rng.standard_normal((4, 300, 144)) * 4).astype(np.float32)
+    gs = rng.standard_normal(xs.shape).astype(np.float32)
+    x = paddle.to_tensor(xs, stop_gradient=False)
+    softmax_last(x).backward(paddle.to_tensor(gs))
+    e = np.exp(xs.astype(np.float64) - xs.max(-1, keepdims=True))
+    y = e / e.sum(-1, keepdims=True)
+    want = y * (gs - (y * gs).sum(-1, keepdims=True))
+    _close(x.grad.numpy(), want, "dx")

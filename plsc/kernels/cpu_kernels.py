@@ -22,6 +22,7 @@ from .names import KERNELS_ENV, kernel_set  # noqa: F401  (KERNELS_ENV: the test
 from .numerics import DEVICE_SLAB_BYTES  # the device set's slab budget
 
 __all__ = ["KERNELS_ENV", "kernel_set", "cpu_set", "set_threads", "threads", "applies",
+           "softmax_grad",
            "as_numpy", "run_rows", "run_split", "device_slab_rows", "DEVICE_SLAB_BYTES",
            "row_dot", "scale_columns_", "copy_columns", "put_columns_",
            "row_max", "exp_shifted_", "remove_row_components_", "take_rows", "all_finite",
@@ -123,6 +124,24 @@ def _step(t):
 
 def _in_place_ok(buf, *others):
     return applies(buf, *others) and buf.is_contiguous() and buf.ndim == 2
+
+
+def softmax_grad(y, dy):
+    """The gradient of a softmax over the last axis from its float32 output `y` and the
+    output's gradient `dy`: y·(dy − Σ y·dy), row by row (a new tensor)."""
+    out = paddle.empty(y.shape, dtype=paddle.float32)
+    width = int(y.shape[-1])
+    rows = int(y.size) // width
+    a, g, o = (as_numpy(t).reshape(rows, width) for t in (y, dy, out))
+
+    def grad(lo, hi):
+        yy, gg, oo = a[lo:hi], g[lo:hi], o[lo:hi]
+        np.multiply(yy, gg, out=oo)
+        s = oo.sum(axis=1, keepdims=True)
+        np.subtract(gg, s, out=oo)
+        np.multiply(oo, yy, out=oo)
+    run_rows(grad, rows, max(1, _SLAB_FLOATS // width))
+    return out
 
 
 def row_dot(a, b):

@@ -7,6 +7,8 @@ oneDNN loaded; any other tensor (another device or dtype, ``PLSC_KERNELS=device`
 Paddle's own `conv2d`, as on a GPU. Both compute the same convolution (timings:
 docs/performance.md, "plsc's own CPU kernels, measured").
 """
+import math
+
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -44,18 +46,32 @@ def _plan(x, weight, bias, geometry, blocked_out, n=None):
     return p, ([n, c // blocked.BLOCK, h, w, blocked.BLOCK] if blocked_out else list(p.out_shape))
 
 
+def _pieces(x, out_shape, weight, bias, geometry, blocked_out, full):
+    """(plan, byte offset into x, byte offset into y) of each piece of the batch: pieces of
+    `onednn.samples_per_call` samples, so that no staged (reordered) activation grows oneDNN's
+    shared scratch past its budget (on AVX2, where activations stay plain, IResNet18's
+    112 x 112 ones at batch 32 would otherwise hold two 103 MB slots). Each sample's output
+    and data gradient depend on that sample alone; the weight gradient is a sum over samples."""
+    n = int(x.shape[0])
+    step = max(1, onednn.samples_per_call(full, n))  # an empty batch: no call
+    x_bytes = 4 * int(x.size) // max(n, 1)
+    y_bytes = 4 * math.prod(int(d) for d in out_shape[1:])
+    for lo in range(0, n, step):
+        k = min(step, n - lo)
+        plan = full if k == n else _plan(x, weight, bias, geometry, blocked_out, k)[0]
+        yield plan, lo * x_bytes, lo * y_bytes
+
+
 class _OneDNNConv2D(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, geometry, blocked_out):
         ctx.needs = (not x.stop_gradient, not weight.stop_gradient,
                      bias is not None and not bias.stop_gradient)  # before any dense copy
         x, weight = _dense(x), _dense(weight)
-        plan, out_shape = _plan(x, weight, bias, geometry, blocked_out)
-        y = paddle.empty(out_shape, dtype=paddle.float32)
-        onednn.conv_forward(plan, x.data_ptr(), weight.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr())
-        ctx.plan = plan
+        y = _forward_no_grad(x, weight, bias, geometry, blocked_out)
+        ctx.call = (geometry, blocked_out)
         ctx.has_bias = bias is not None
+        ctx.out_shape = y.shape
         ctx.save_for_backward(x, weight)
         return y
 
@@ -65,32 +81,41 @@ class _OneDNNConv2D(PyLayer):
         dy = _dense(dy)
         need_x, need_w, need_b = ctx.needs
         dx = paddle.empty(x.shape, dtype=paddle.float32) if need_x else None
-        dw = paddle.empty(weight.shape, dtype=paddle.float32) if (need_w or need_b) else None
+        grads_w = need_w or need_b
+        dw = paddle.empty(weight.shape, dtype=paddle.float32) if grads_w else None
         db = (paddle.empty([weight.shape[0]], dtype=paddle.float32)
-              if ctx.has_bias and (need_w or need_b) else None)
-        onednn.conv_backward(ctx.plan, x.data_ptr(), weight.data_ptr(), dy.data_ptr(),
-                             None if dx is None else dx.data_ptr(),
-                             None if dw is None else dw.data_ptr(),
-                             None if db is None else db.data_ptr())
+              if ctx.has_bias and grads_w else None)
+        part_dw = part_db = None
+        geometry, blocked_out = ctx.call
+        bias = db if ctx.has_bias else None  # only its presence shapes the plan
+        full = _plan(x, weight, bias, geometry, blocked_out)[0]
+        for i, (plan, xo, yo) in enumerate(_pieces(x, ctx.out_shape, weight, bias, geometry,
+                                                   blocked_out, full)):
+            if i == 1 and grads_w:  # the later pieces' parameter gradients, then summed
+                part_dw = paddle.empty(weight.shape, dtype=paddle.float32)
+                part_db = paddle.empty([weight.shape[0]], dtype=paddle.float32) \
+                    if db is not None else None
+            to_w, to_b = (dw, db) if i == 0 else (part_dw, part_db)
+            onednn.conv_backward(plan, x.data_ptr() + xo, weight.data_ptr(), dy.data_ptr() + yo,
+                                 None if dx is None else dx.data_ptr() + xo,
+                                 None if to_w is None else to_w.data_ptr(),
+                                 None if to_b is None else to_b.data_ptr())
+            if i and grads_w:
+                dw.add_(part_dw)
+                if db is not None:
+                    db.add_(part_db)
         grads = (dx, dw if need_w else None)
         return grads + ((db if need_b else None),) if ctx.has_bias else grads
 
 
 def _forward_no_grad(x, weight, bias, geometry, blocked_out):
-    """The convolution without an autograd record, the batch in pieces of
-    `onednn.samples_per_call` samples (each sample's output depends on that sample alone)."""
+    """The convolution without an autograd record, the batch in `_pieces`."""
     x, weight = _dense(x), _dense(weight)
     full, out_shape = _plan(x, weight, bias, geometry, blocked_out)
     y = paddle.empty(out_shape, dtype=paddle.float32)
-    n = int(x.shape[0])
-    step = max(1, onednn.samples_per_call(full, n))  # an empty batch: no call
-    x_bytes, y_bytes = 4 * int(x.size) // max(n, 1), 4 * int(y.size) // max(n, 1)
     b_ptr = None if bias is None else bias.data_ptr()
-    for lo in range(0, n, step):
-        k = min(step, n - lo)
-        plan = full if k == n else _plan(x, weight, bias, geometry, blocked_out, k)[0]
-        onednn.conv_forward(plan, x.data_ptr() + lo * x_bytes, weight.data_ptr(), b_ptr,
-                            y.data_ptr() + lo * y_bytes)
+    for plan, xo, yo in _pieces(x, out_shape, weight, bias, geometry, blocked_out, full):
+        onednn.conv_forward(plan, x.data_ptr() + xo, weight.data_ptr(), b_ptr, y.data_ptr() + yo)
     return y
 
 

@@ -14,7 +14,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from ..kernels import onednn
-from ..kernels.cpu_kernels import applies
+from ..kernels.cpu_kernels import applies, softmax_grad
 from ..kernels.onednn.rows import layer_norm_plan, softmax_plan
 
 __all__ = ["softmax_last", "LayerNorm", "takes_onednn_rows"]
@@ -48,6 +48,8 @@ class _Softmax(PyLayer):
     def backward(ctx, grad):
         (y,) = ctx.saved_tensor()
         grad = _dense(grad)
+        if ctx.plan.backward_is_reference():  # oneDNN below AVX-512 (see the kernels' module)
+            return softmax_grad(y, grad)
         dx = paddle.empty(y.shape, dtype=paddle.float32)
         ctx.plan.backward(y.data_ptr(), grad.data_ptr(), dx.data_ptr())
         return dx

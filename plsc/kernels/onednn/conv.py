@@ -23,7 +23,7 @@ from .library import (ARG_BIAS, ARG_DIFF_BIAS, ARG_DIFF_DST, ARG_DIFF_SRC, ARG_D
                       dims, engine, execute, lib, md, memory, ok, primitive, set_handle, vp)
 
 __all__ = ["plan", "plan_count", "scratch_bytes", "samples_per_call", "conv_forward",
-           "conv_backward", "blocked_native", "NO_GRAD_CALL_BYTES", "BLOCK"]
+           "conv_backward", "blocked_native", "CALL_BYTES", "BLOCK"]
 
 BLOCK = 16  # channels a block of the blocked layout (TAG_ABCD16B) holds
 
@@ -33,7 +33,7 @@ _plans = {}
 # gradient the data gradient staged ("b") for the weight gradient, is in a slot the weight
 # gradient does not write; the data gradient's result ("a") is copied out before the weight
 # gradient stages its input there.
-NO_GRAD_CALL_BYTES = 64 << 20  # a staged activation of a forward without gradients, at least
+CALL_BYTES = 64 << 20  # a staged activation of one call (a piece of the batch), at least
 _SLOTS = {"src": "a", "diff_src": "a", "dst": "b", "diff_dst": "b", "weights": "w",
           "diff_weights": "dw"}
 
@@ -199,17 +199,19 @@ def scratch_bytes():
 
 
 def samples_per_call(p, n):
-    """Samples of plan `p`'s batch of `n` that one forward call may take when no gradient
-    follows (an evaluation): as many as keep each staged (blocked) activation within what its
-    scratch slot holds already, or `NO_GRAD_CALL_BYTES` if that is more. An evaluation's batch
-    larger than the training batch would otherwise grow the shared slots to its size for the
-    rest of the process (IResNet18, 112 px, three forwards: peak RSS 2.09 against 1.78 GB at 64
-    images, 4.97 against 3.86 GB at 128)."""
+    """Samples of plan `p`'s batch of `n` that one call (forward, or the gradients of that
+    piece) may take: as many as keep each staged (blocked) activation within what its scratch
+    slot holds already, or `CALL_BYTES` if that is more. An evaluation's batch larger than
+    the training batch would otherwise grow the shared slots to its size for the rest of the
+    process (IResNet18, 112 px, three forwards: peak RSS 2.09 against 1.78 GB at 64 images,
+    4.97 against 3.86 GB at 128); a training step whose activations stay plain (AVX2: no
+    blocked layout) would hold two slots of its largest activation (IResNet18 at batch 32:
+    2 x 103 MB)."""
     need = 1
     for name in ("src", "dst"):
         arg = p.fwd_args[name]
         if arg.nbytes:
-            budget = max(NO_GRAD_CALL_BYTES, SCRATCH.held(arg.slot))
+            budget = max(CALL_BYTES, SCRATCH.held(arg.slot))
             need = max(need, -(-arg.nbytes // budget))
     return -(-n // need)
 

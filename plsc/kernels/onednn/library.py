@@ -97,6 +97,7 @@ def _declare(lib):
             vp, vp],
         "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp],
         "dnnl_primitive_desc_query_md": [vp, ctypes.c_int, ctypes.c_int],
+        "dnnl_primitive_desc_query": [vp, ctypes.c_int, ctypes.c_int, vp],
         "dnnl_primitive_create": [ctypes.POINTER(vp), vp],
         "dnnl_primitive_execute": [vp, vp, ctypes.c_int, ctypes.POINTER(_ExecArg)],
     }
@@ -316,6 +317,18 @@ def bind(memories, ptrs):
     for role, ptr in ptrs.items():
         set_handle(memories[role], ptr)
     return [(role, memories[role]) for role in ptrs]
+
+
+QUERY_IMPL_INFO_STR = 8  # dnnl_query_impl_info_str
+
+
+def impl_info(pd):
+    """The implementation oneDNN chose for primitive descriptor `pd` ("jit:avx2",
+    "ref:any", ...): its ONEDNN_VERBOSE name."""
+    name = ctypes.c_char_p()
+    ok(_lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(name)),
+       "primitive_desc_query(impl_info_str)")
+    return name.value.decode()
 
 
 def primitive(pd):

@@ -3,13 +3,18 @@
 One plan per (rows, width) (and epsilon for LayerNorm) holds the forward primitive and, built on
 first use, the backward one; the memory objects are pointed at the tensors' memory at each
 call. The layers that choose between these and Paddle's ops are in `plsc.models.rows`.
+
+oneDNN 3.6 has no jit softmax backward below AVX-512 (ONEDNN_MAX_CPU_ISA=AVX2, or an AVX2
+CPU): it runs its reference kernel, 14x its AVX-512 one on ViT-T's attention scores. A plan
+says so (`_Softmax.backward_is_reference`) and the layer then takes numpy's
+(`plsc.kernels.cpu_kernels.softmax_grad`).
 """
 import ctypes
 
 from .library import (ARG_DIFF_DST, ARG_DIFF_SCALE, ARG_DIFF_SHIFT, ARG_DIFF_SRC, ARG_DST,
                       ARG_MEAN, ARG_SCALE, ARG_SHIFT, ARG_SRC, ARG_VARIANCE, BACKWARD,
                       FORWARD_TRAINING, SOFTMAX_ACCURATE, TAG_A, TAG_AB, USE_SCALE, USE_SHIFT,
-                      engine, execute, lib, md, memory, ok, primitive, set_handle, vp)
+                      engine, execute, impl_info, lib, md, memory, ok, primitive, set_handle, vp)
 
 __all__ = ["softmax_plan", "layer_norm_plan"]
 
@@ -43,13 +48,23 @@ class _Softmax:
     def forward(self, x_ptr, y_ptr):
         execute(self.fwd, self.mem.bind({ARG_SRC: x_ptr, ARG_DST: y_ptr}))
 
-    def backward(self, y_ptr, dy_ptr, dx_ptr):
+    def _backward_primitive(self):
         if self.bwd is None:
             pd = vp()
             ok(lib().dnnl_softmax_backward_primitive_desc_create(
                 ctypes.byref(pd), engine(), SOFTMAX_ACCURATE, self.data, self.data, self.data, 1,
                 self.fwd_pd, None), "softmax_backward_primitive_desc_create")
+            self.bwd_impl = impl_info(pd)
             self.bwd = primitive(pd)
+        return self.bwd
+
+    def backward_is_reference(self):
+        """True when oneDNN's backward for this plan is its reference (unvectorised) kernel."""
+        self._backward_primitive()
+        return self.bwd_impl.startswith("ref")
+
+    def backward(self, y_ptr, dy_ptr, dx_ptr):
+        self._backward_primitive()
         execute(self.bwd, self.mem.bind({ARG_DST: y_ptr, ARG_DIFF_DST: dy_ptr,
                                          ARG_DIFF_SRC: dx_ptr}))
 
