@@ -97,12 +97,25 @@ def measure(name, out):
     return max(peaks), " ".join(cmd[1:])
 
 
+def prepare_data(out):
+    """The demo's synthetic data under OUT, made once here (as configs/demo.yaml's first run
+    makes it), so that no launched run waits for it at start-up."""
+    from plsc.config import load_config
+    from plsc.data.synthetic import generate
+    data = os.path.join(out, "demo_data")
+    if not os.path.isfile(os.path.join(data, "train.idx")):
+        d = load_config(os.path.join(ROOT, "configs/demo.yaml"))["Data"]
+        generate(data, image_size=d["image_size"][0], **d["synthetic"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="/tmp/plan_runs", help="output folders and the demo's data")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
     args = p.parse_args(argv)
+    if not args.predict_only:
+        prepare_data(args.out)
     for name in args.runs:
         predicted, terms = predict(name, args.out)
         line = {"run": name, "ranks": ranks(name), "predicted_bytes": predicted,
