@@ -32,7 +32,6 @@ _PROBE = textwrap.dedent("""
     import json, sys
     import numpy as np, paddle
     import plsc.checkpoint.head_arrays as ckpt
-from plsc.checkpoint.paddle_file import save_transient_bytes
     ckpt._SLAB_BYTES = 16 << 20
 
     def peak():
@@ -69,7 +68,6 @@ _PROBE_16 = textwrap.dedent("""
     import json, os, sys
     import numpy as np, paddle
     import plsc.checkpoint.head_arrays as ckpt
-from plsc.checkpoint.paddle_file import save_transient_bytes
     ckpt._SLAB_BYTES = 4 << 20
 
     def peak(reset=False):
