@@ -15,7 +15,10 @@ the terms of issue 61: accum_bf16 (2 micro-batches a step, bfloat16 centres and 
 accum_int8 (2 micro-batches, int8 centres and momentum), pfc_accum_bf16 (Partial FC 0.3 over
 bfloat16 centres, 2 micro-batches), unfused_f32 (float32 centres updated after the backward,
 `Optimizer.fused_head_update=false`), vit_s (ViT-S at 112 x 112, AdamW), demo_vit
-(configs/demo_vit.yaml as shipped, its evaluation included). Memory is what they measure, so
+(configs/demo_vit.yaml as shipped, its evaluation included); and the four runs issue 61 names as
+checked before it: r50_int8_int4 (IResNet50 at 112 x 112, a dense int8 head, 4-bit state, 1
+rank), pfc03_4m_f32 (Partial FC 0.3 over 4M float32 classes), f16_1rank and f16_3ranks (float16
+centres, 1M classes, on 1 and on 3 ranks). Memory is what they measure, so
 other work on the machine slows them without moving the figures much.
 """
 import argparse
@@ -57,6 +60,19 @@ RUNS = {
         "Model.name=ViT_S", "Model.embedding_size=512", "Data.image_size=[112,112]",
         "Data.batch_size=16", "Global.max_steps=3", "Eval.targets=[]"]),
     "demo_vit": ("configs/demo_vit.yaml", ["Global.max_steps=3"]),
+    "r50_int8_int4": ("configs/demo.yaml", [
+        "Model.name=IResNet50", "Data.image_size=[112,112]", "Data.batch_size=8",
+        "Loss.num_classes=500000", "Loss.param_dtype=int8", "Optimizer.head_state_dtype=int4",
+        "Model.embedding_size=512", "Global.max_steps=3", "Eval.targets=[]"], 1),
+    "pfc03_4m_f32": ("configs/demo.yaml", [
+        "Loss.num_classes=4000000", "Loss.sample_ratio=0.3", "Model.embedding_size=64",
+        "Global.max_steps=3", "Eval.targets=[]"]),
+    "f16_1rank": ("configs/demo.yaml", [
+        "Loss.num_classes=1000000", "Loss.param_dtype=float16", "Model.embedding_size=256",
+        "Global.max_steps=3", "Eval.targets=[]"], 1),
+    "f16_3ranks": ("configs/demo.yaml", [
+        "Loss.num_classes=1000000", "Loss.param_dtype=float16", "Model.embedding_size=256",
+        "Global.max_steps=3", "Eval.targets=[]"], 3),
 }
 
 
@@ -97,12 +113,25 @@ def measure(name, out):
     return max(peaks), " ".join(cmd[1:])
 
 
+def prepare_data(out):
+    """The demo's synthetic data under OUT, made once here (as configs/demo.yaml's first run
+    makes it), so that no launched run waits for it at start-up."""
+    from plsc.config import load_config
+    from plsc.data.synthetic import generate
+    data = os.path.join(out, "demo_data")
+    if not os.path.isfile(os.path.join(data, "train.idx")):
+        d = load_config(os.path.join(ROOT, "configs/demo.yaml"))["Data"]
+        generate(data, image_size=d["image_size"][0], **d["synthetic"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="/tmp/plan_runs", help="output folders and the demo's data")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--predict-only", action="store_true", help="print the predictions, run nothing")
     args = p.parse_args(argv)
+    if not args.predict_only:
+        prepare_data(args.out)
     for name in args.runs:
         predicted, terms = predict(name, args.out)
         line = {"run": name, "ranks": ranks(name), "predicted_bytes": predicted,

@@ -125,3 +125,22 @@ def test_the_separate_updates_arrays_are_what_a_real_step_allocates(param_dtype,
     assert abs(want_step / step - 1) < 0.25, (step, terms)
     if ratio == 1.0 and param_dtype != "float32":  # the whole gradient upcast at once
         assert step >= whole
+
+
+def test_checkpoint_save_term_is_the_largest_tensors_copies_beyond_the_activations():
+    """ViT-S at batch 1: the streamed save's two host copies of the largest tensor (counted
+    here from the built model's parameters) exceed the step's activations, and the plan adds
+    the difference; at the batch of the vit_s run the activations hold it and no term shows."""
+    from plsc.config import load_config
+    from plsc.models import build_model
+    from plsc.train.plan import plan
+    over = ["Model.name=ViT_S", "Model.embedding_size=512", "Data.image_size=[112,112]",
+            "Eval.targets=[]"]
+    with paddle.LazyGuard():
+        model = build_model("ViT_S", embedding_size=512, input_size=(112, 112))
+    copies = 2 * 4 * max(int(p.size) for p in model.parameters())
+    small = plan(load_config("configs/demo_vit.yaml", over + ["Data.batch_size=1"]), 2, "cpu")
+    term = small.memory["checkpoint save beyond the step's activations"]
+    assert term == copies - small.memory["backbone activations"] > 0
+    large = plan(load_config("configs/demo_vit.yaml", over + ["Data.batch_size=16"]), 2, "cpu")
+    assert "checkpoint save beyond the step's activations" not in large.memory

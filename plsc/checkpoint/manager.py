@@ -17,7 +17,6 @@ A resume (`agree_checkpoint`) verifies the checkpoint against its manifest
 ranks fall back together to the newest intact one.
 """
 import contextlib
-import io
 import json
 import os
 import pickle
@@ -28,14 +27,15 @@ import numpy as np
 import paddle
 
 from .. import distributed as pd
-from ..fileio import (FOLDER_SUFFIX, FileRecord, atomic_write, commit_folder, free_bytes, is_temporary, temp_folder,
-                      write_json)
+from ..fileio import (FOLDER_SUFFIX, AtomicWriter, FileRecord, atomic_write, commit_folder, free_bytes, is_temporary,
+                      temp_folder, write_json)
 from .errors import CheckpointDamaged, CheckpointSaveError
 from .head_arrays import array_dtype, head_array_bytes, write_rows_npy
 from .layout import (BACKBONE, BEST_SUMMARY, LATEST, LEFTOVER_DIR, META, STEP_DIR, TRAINER,
                      best_folder, head_dir, head_file, read_meta, rng_file, step_folder, with_written,
                      write_meta)
 from .manifest import verify_checkpoint, write_manifest
+from .paddle_file import paddle_file_bytes, write_paddle_file
 
 __all__ = ["CheckpointManager", "find_checkpoint", "agree_checkpoint", "checkpoints_newest_first",
            "remove_leftovers", "repair_latest", "capture_rng", "restore_rng", "portable_optimizer_state",
@@ -318,10 +318,8 @@ class CheckpointManager:
         state = _Save(self.root, f"checkpoint step {step}", lambda: _previous(self.root, step),
                       self.group)
         files = {rng_file(rank): pickle.dumps(dict(capture_rng(), **(rank_state or {})))}
-        if rank == 0:
-            files[BACKBONE] = _serialized(backbone_state)
-            files[TRAINER] = _serialized(trainer_state)
-        need = sum(len(b) for b in files.values()) + sum(
+        states = {BACKBONE: backbone_state, TRAINER: trainer_state} if rank == 0 else {}
+        need = sum(len(b) for b in files.values()) + sum(map(paddle_file_bytes, states.values())) + sum(
             head_array_bytes(a) + 128 for a in head_arrays.values()) + (64 << 10)  # + meta
         with state.part():
             if rank == 0:
@@ -343,7 +341,8 @@ class CheckpointManager:
                     os.path.join(tmp, head_file(rank, name)), array)[1]
             for name, data in files.items():
                 records[name] = atomic_write(os.path.join(tmp, name), data)
-        del files
+            for name, value in states.items():  # streamed: no serialised copy in memory
+                records[name] = _write_state(os.path.join(tmp, name), value)
         ranks_records = state.agree(tmp, {k: list(v) for k, v in records.items()})
         with state.part():
             if rank == 0:
@@ -398,12 +397,12 @@ def _record(value):
     return FileRecord(int(value[0]), str(value[1]))
 
 
-def _serialized(state):
-    """`paddle.save(state)` as bytes, so that its size is known before writing and its checksum
-    is computed as the bytes stream through the atomic writer."""
-    buf = io.BytesIO()
-    paddle.save(state, buf)
-    return buf.getvalue()
+def _write_state(path, state):
+    """`state` in `paddle.save`'s format at `path`, streamed through the atomic writer (which
+    checksums the bytes as they pass); its `FileRecord`."""
+    with AtomicWriter(path) as f:
+        write_paddle_file(f, state)
+    return f.record
 
 
 def save_best(output_dir, target, step, report, backbone_state, group=None):
@@ -416,12 +415,11 @@ def save_best(output_dir, target, step, report, backbone_state, group=None):
                   lambda: f"the previous best_{target} is kept", group)
     with state.part():
         if rank == 0:
-            data = _serialized(backbone_state)
-            state.need = len(data) + 4096
+            state.need = paddle_file_bytes(backbone_state) + 4096
             if state.need > free_bytes(output_dir):
                 raise OSError(28, "not enough free space (checked before writing)", final)
             temp_folder(final)
-            atomic_write(os.path.join(tmp, BACKBONE), data)
+            _write_state(os.path.join(tmp, BACKBONE), backbone_state)
             summary = {"target": target, "step": int(step),
                        **{k: v for k, v in report.items() if k not in ("far", "tar")}}
             write_json(os.path.join(tmp, BEST_SUMMARY), summary)

@@ -5,6 +5,7 @@ with a hook on every convolution, linear layer and attention)."""
 import paddle
 from paddle import nn
 
+from ...checkpoint.paddle_file import save_transient_bytes
 from ...parts import build_backbone
 from ..grad_sync import OverlappedSum
 
@@ -22,6 +23,7 @@ class BackboneCost:
         self.params = sum(int(p.size) for p in params)
         self.trainable = sum(int(p.size) for p in trainable)
         self.buffers = sum(int(b.size) * 4 for b in model.buffers() if b is not None)
+        self.largest = max((int(p.size) for p in params), default=0)  # elements
         wire = cfg["Optimizer"]["grad_allreduce_dtype"]
         self.buckets = [sum(int(p.size) for p in b)
                         for b in OverlappedSum(trainable, dtype=wire).buckets]
@@ -36,6 +38,11 @@ class BackboneCost:
         return {"backbone parameters": 4 * self.params + self.buffers,
                 "backbone gradients": 4 * self.trainable,
                 "backbone optimizer state": 4 * states * self.trainable}
+
+    def save_transient(self):
+        """Bytes a checkpoint save holds beyond the state (rank 0, host memory): the streamed
+        writer's copies of the largest float32 tensor (a parameter or an optimizer moment)."""
+        return save_transient_bytes(4 * self.largest)
 
     def gradient_sum(self):
         """Bytes the gradient sum holds at its peak: each bucket's flat float32 copy (and its

@@ -145,6 +145,11 @@ def memory(cfg, ctx):
         out["backbone gradient sum buckets"] = ctx.backbone.gradient_sum()
     out.update(_activations(cfg, ctx))
     if not prof.gpu:
+        # rank 0's checkpoint save runs after the step, among the step's freed activations
+        # (the trainer gives malloc's kept blocks back only after the save)
+        extra = ctx.backbone.save_transient() - out["backbone activations"]
+        if extra > 0:
+            out["checkpoint save beyond the step's activations"] = int(extra)
         out.update(_loader(cfg))
         out.update(_packs(cfg, ctx))
     return out
