@@ -112,8 +112,13 @@ class SparseRowOptimizer:
 
     def step(self, head, grad_scale=1.0):
         """Apply the gradients of the head's last backward (times `grad_scale`, e.g. the
-        inverse loss scale), plus any stashed ones, then release them."""
+        inverse loss scale), plus any stashed ones, then release them. With stashed rows
+        (Partial FC over micro-batches) malloc's free pages go back first
+        (`cpu_setup.release_freed_memory`): the micro-batches' freed blocks are holes the
+        merge's large arrays do not fit, kept resident beside them otherwise."""
         lr = self.get_lr()
+        if self._stash:
+            cpu_setup.release_freed_memory()
         for name, param, index, grad in self._gradients(head):
             self._apply(name, param, head.rank, index, 0, grad, lr, grad_scale)
         head.drop_dense_gradients()

@@ -17,7 +17,9 @@ leave holes in the heap that only they touched. `release_freed_memory` gives tho
 (glibc's ``malloc_trim``); the trainer calls it after its first `SETTLING_STEPS` steps, before
 and after each evaluation and after each checkpoint, so the memory a rank keeps is what its
 steps reuse and an evaluation's batches do not add to the step's freed blocks
-(docs/performance.md, "Where a rank's memory goes").
+(docs/performance.md, "Where a rank's memory goes"); the sparse-row optimizer calls it once a
+step before it merges stashed micro-batches' rows (Partial FC with gradient accumulation),
+whose large arrays do not fit the micro-batches' freed blocks.
 
 A run does both at its start (`plsc.process.runtime.start`). `ensure` is called when plsc builds a
 model, a head or a sparse-row optimizer: the first call in a process that has not chosen does

@@ -364,6 +364,28 @@ def test_16_bit_gradients_and_accumulation_are_upcast(dtype):
                                   rne(w0[rows] - np.float32(0.1) * total[rows], dtype))
 
 
+def test_malloc_pages_go_back_before_stashed_rows_are_merged(monkeypatch):
+    """With stashed micro-batches `step` gives malloc's free pages back once, before it merges
+    and applies the rows (the micro-batches' freed holes would stay resident beside the merged
+    arrays: issue 61's Partial FC run); a step with nothing stashed does not."""
+    from plsc.process import cpu_setup
+    w, _, rng = case(6, bias=False)
+    head = StubHead(w, None, "bfloat16")
+    opt = SparseMomentum(0.1, momentum=0.0)
+    before, calls = {}, []  # the weight before the step; at each release: was it still so?
+    monkeypatch.setattr(cpu_setup, "release_freed_memory",
+                        lambda: calls.append(np.array_equal(f32(head.weight), before["w"])))
+    for parts in ([[1, 5]], [[1, 5], [5, 7]], [[2], [3], [2, 9]]):
+        before["w"] = f32(head.weight)
+        for i, index in enumerate(parts):
+            head.backward(index, grads(rng, index)[0])
+            if i + 1 < len(parts):
+                opt.stash(head)
+        opt.step(head)
+        assert not np.array_equal(f32(head.weight), before["w"])  # the step was applied
+    assert calls == [True, True]  # the two accumulated steps, each before its update
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stochastic_rounding_keeps_small_updates(dtype):
     """1000 steps of w -= 1e-4 on 16-bit weights near 1: rounding to nearest never moves them
