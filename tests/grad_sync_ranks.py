@@ -86,12 +86,14 @@ class ByteCount:
 
 PATHS = ("backward", "thread", "after", "flat")  # OverlappedSum's modes; sum_gradients
 GATE_SECONDS = 5.0
+HOLD_SECONDS = 0.2  # the backward's rest after the gate: what a thread's all-reduce runs behind
 
 
 def gate(count):
     """An identity whose backward waits (at most GATE_SECONDS) until `count`'s first
-    collective has started, recording when its wait ended: on the path of the gradient the
-    backward completes last, it holds the backward's end until a bucket's all-reduce runs."""
+    collective has started, recording when its wait ended, then goes on for HOLD_SECONDS: on
+    the path of the gradient the backward completes last, it holds the backward's end until a
+    bucket's all-reduce runs, and leaves that all-reduce time to run behind the backward."""
     from paddle.autograd import PyLayer
 
     class Gate(PyLayer):
@@ -105,6 +107,7 @@ def gate(count):
         def backward(ctx, grad):
             count.started.wait(GATE_SECONDS)
             Gate.released = time.perf_counter()
+            time.sleep(HOLD_SECONDS)
             return grad
     return Gate
 

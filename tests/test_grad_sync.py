@@ -174,8 +174,8 @@ def test_the_first_all_reduce_starts_before_the_backward_ends(two_ranks, case):
     after a bucket's all-reduce started from its hooks (the gate waits GATE_SECONDS at most:
     hooks that sent nothing show as a late release); after and flat start none before the
     backward has returned. The hooks sent every bucket (the held gradient's too, after the
-    gate, still in the backward); gloo's all-reduce in the
-    backward's thread is all exposed, the thread's partly hidden."""
+    gate, still in the backward); gloo's all-reduce in the backward's thread is all exposed,
+    the thread's partly hidden (the gate's HOLD_SECONDS after the first start)."""
     for report in two_ranks:
         for path in PATHS:
             first, end = report[f"{case}.{path}.first_collective_s"], report[f"{case}.{path}.backward_end_s"]
@@ -192,8 +192,9 @@ def test_the_first_all_reduce_starts_before_the_backward_ends(two_ranks, case):
         for path in ("backward", "after"):
             assert report[f"{case}.{path}.timing.hidden_s"] == 0.0
             assert report[f"{case}.{path}.timing.ran_s"] == report[f"{case}.{path}.timing.waited_s"] > 0
-        ran, hidden = report[f"{case}.thread.timing.ran_s"], report[f"{case}.thread.timing.hidden_s"]
-        assert 0 < hidden <= ran
+        ran, hidden, waited = (report[f"{case}.thread.timing.{k}_s"]
+                               for k in ("ran", "hidden", "waited"))
+        assert 0 < hidden <= ran and ran - hidden <= waited + 1e-9
 
 
 def test_a_trainer_step_in_each_grad_sync_mode(two_ranks):
@@ -201,7 +202,8 @@ def test_a_trainer_step_in_each_grad_sync_mode(two_ranks):
     is applied with a finite loss; every mode's backbones equal bit for bit on both ranks and
     across modes (the same sums); every backbone gradient element went in 2 bytes (the head's
     collectives send no float16); the step timers' record splits the gradient all-reduces
-    into exposed (inside the collectives phase) and hidden parts that add up to their time."""
+    into exposed (inside the collectives phase) and hidden parts: the run not hidden is at
+    most the exposed time (which also holds the thread's hand-over latency)."""
     start = {n: p.numpy() for n, p in make_backbone(0).named_parameters()}
     r0, r1 = two_ranks
     for report in two_ranks:
@@ -212,7 +214,7 @@ def test_a_trainer_step_in_each_grad_sync_mode(two_ranks):
             ran, exposed, hidden = (report[t + f"step.grad_sum_{k}_s"]
                                     for k in ("ran", "exposed", "hidden"))
             assert ran > 0 and 0 <= exposed <= report[t + "step.collectives"]
-            assert abs(ran - exposed - hidden) < 1e-9 or (hidden == 0 and exposed > ran)
+            assert 0 <= hidden <= ran and ran - hidden <= exposed + 1e-9
             assert (report[t + "step.grad_sum_buckets_in_backward"] > 0) == (mode != "after")
         assert report["trainer.backward.step.grad_sum_hidden_s"] == 0.0
     for name, value in start.items():

@@ -143,7 +143,7 @@ class OverlappedSum:
         self._sent = {}  # bucket -> (its gradients, wait() giving their flat sum)
         self._error = None  # what a hook's all-reduce raised (e.g. a lost rank), for `finish`
         self._comm = None
-        self._times = dict.fromkeys(("ran", "waited", "in_backward"), 0)
+        self._times = dict.fromkeys(("ran", "waited", "hidden", "in_backward"), 0)
         world = pd.group_rank_size(group)[1]
         if world > 1 and mode == "thread":
             import paddle.distributed as dist  # a group of the same ranks, its own connections
@@ -166,11 +166,13 @@ class OverlappedSum:
 
     def timing(self):
         """The last `finish`'s all-reduces: {"ran_s": seconds they ran as seen, "waited_s":
-        seconds this thread was blocked in them, "hidden_s": the difference, "in_backward":
-        buckets the backward's hooks sent}."""
-        ran, waited = self._times["ran"], self._times["waited"]
-        return {"ran_s": ran, "waited_s": waited, "hidden_s": max(0.0, ran - waited),
-                "in_backward": self._times["in_backward"]}
+        seconds this thread was blocked in them, "hidden_s": of each all-reduce's run, the
+        part this thread did not wait for, summed, "in_backward": buckets the backward's hooks
+        sent}. Per all-reduce, so that one's hand-over latency (a wait longer than its run)
+        does not cancel another's hidden run."""
+        t = self._times
+        return {"ran_s": t["ran"], "waited_s": t["waited"], "hidden_s": t["hidden"],
+                "in_backward": t["in_backward"]}
 
     def _issue(self, call):
         """`start_sum`'s `issue`: the collective in this thread, or on the communication
@@ -195,8 +197,10 @@ class OverlappedSum:
         def wait():
             start = clock()
             done.wait()
-            times["waited"] += clock() - start
+            waited = clock() - start
+            times["waited"] += waited
             times["ran"] += done.seconds
+            times["hidden"] += max(0.0, done.seconds - waited)
             if done.error is not None:
                 raise done.error
         return wait

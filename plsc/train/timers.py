@@ -27,8 +27,10 @@ pauses the outer one), so the phases of a step add up to its wall time:
 
 Beside the phases, each step records its backbone gradient all-reduces (`OverlappedSum.timing`):
 ``grad_sum_ran_s``, how long they ran as far as seen; ``grad_sum_exposed_s``, how long the main
-thread was blocked in them (part of ``collectives``); ``grad_sum_hidden_s``, the rest, which
-ran behind the backward (on the communication thread of ``Optimizer.grad_sync: thread``; gloo
+thread was blocked in them (part of ``collectives``); ``grad_sum_hidden_s``, of each one's
+run the part the main thread did not wait for, summed: what ran behind the backward (on the
+communication thread of ``Optimizer.grad_sync: thread``; ``ran`` minus ``hidden`` is at most
+``exposed``, which also holds the thread's hand-over latency; gloo
 runs a ``backward`` all-reduce to its end inside the hook, so all of it is exposed there);
 ``grad_sum_buckets_in_backward``, how many buckets the backward's hooks sent. Collectives
 called from another thread than the one timing the steps are not timed as a phase.
