@@ -1,7 +1,7 @@
 """The planner's predicted peak memory against the measured peak RSS of real runs on this
 machine: for each run, the plan of its config on the "cpu" profile (its ranks: 2 unless the run
-says) beside the VmHWM of the largest rank of the launched run (`benchmarks/peak_rss.py`). One
-JSON line per run.
+says) beside the VmHWM of the largest rank of the launched run (`benchmarks/peak_rss.py`'s exact
+maximum over the run's processes, and the rank's as polled every 0.5 s). One JSON line per run.
 
     python benchmarks/benchmark_plan.py --out /tmp/plan_runs                  # every run
     python benchmarks/benchmark_plan.py --out /tmp/plan_runs --runs demo vit_t_adamw
@@ -96,7 +96,9 @@ def predict(name, out):
 
 
 def measure(name, out):
-    """(peak RSS of the largest rank, the command) of the launched run."""
+    """(peak RSS of the largest rank, the largest rank's peak as polled, the command) of the
+    launched run. The first is the tree's exact maximum (peak_rss.py's `tree_peak_rss_bytes`:
+    the ranks are its largest processes), which also holds a peak after the last poll."""
     config, over = overrides(name, out)
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
            os.path.join(out, f"log_{name}"), "--nproc_per_node", str(ranks(name)), "tools/train.py", "-c", config]
@@ -110,7 +112,7 @@ def measure(name, out):
     peaks = [v for pid, v in report["peak_rss_bytes"].items()
              if "tools/train.py" in report["commands"][pid] and "distributed.launch" not in
              report["commands"][pid]]
-    return max(peaks), " ".join(cmd[1:])
+    return max(max(peaks), report["tree_peak_rss_bytes"]), max(peaks), " ".join(cmd[1:])
 
 
 def prepare_data(out):
@@ -137,8 +139,9 @@ def main(argv=None):
         line = {"run": name, "ranks": ranks(name), "predicted_bytes": predicted,
                 "terms": {k: v for k, v in terms.items() if v}}
         if not args.predict_only:
-            measured, cmd = measure(name, args.out)
-            line.update(measured_bytes=measured, error=round(predicted / measured - 1, 4),
+            measured, polled, cmd = measure(name, args.out)
+            line.update(measured_bytes=measured, polled_bytes=polled,
+                        error=round(predicted / measured - 1, 4),
                         command="python " + cmd)
         print(json.dumps(line), flush=True)
 

@@ -108,6 +108,8 @@ def plsc_config(spec, args, images):
            "grad_clip": 5.0, "grad_allreduce_dtype": args.grad_allreduce_dtype}
     if spec["optimizer"] == "sgd":
         opt["momentum"] = 0.9
+    if args.grad_sync:
+        opt["grad_sync"] = args.grad_sync
     return {"Global": {"seed": 0, "device": "cpu", "cpu_threads": THREADS,
                        "max_steps": args.warmup + args.steps, "log_interval": 10},
             "Model": {"name": spec["plsc_model"], "embedding_size": EMBEDDING},
@@ -287,6 +289,8 @@ def parse_args(argv):
     p.add_argument("--grad-allreduce-dtype", default="float32", choices=("float32", "float16"),
                    help="plsc's Optimizer.grad_allreduce_dtype (float32: its default; float16: "
                         "its recipe configs', as arcface_torch's compression hook)")
+    p.add_argument("--grad-sync", choices=("backward", "thread", "after"),
+                   help="plsc's Optimizer.grad_sync (default: the config default's)")
     p.add_argument("--per-identity", type=int, default=20, help="images per identity")
     p.add_argument("--workdir", default=os.path.join(REPO, "output", "benchmark_train"),
                    help="images (cached) and the runs' folders")
@@ -354,6 +358,7 @@ def main(argv=None):
            "global_batch": global_batch, "warmup_steps": args.warmup, "timed_steps": args.steps,
            "repeats": args.repeats, "loader_workers_per_rank": args.workers,
            "plsc_grad_allreduce_dtype": args.grad_allreduce_dtype,
+           "plsc_grad_sync": args.grad_sync or "default",
            "images": {"root": images, "identities": identities, "per_identity": per},
            "cpu": isa_cap.cpu(), "isa_caps": {cap: isa_cap.CAPS[cap] for cap in args.isa},
            "isa_probe": {cap: isa_cap.check(cap, args.torch_python, REPO) for cap in args.isa},

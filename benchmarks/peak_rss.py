@@ -5,12 +5,15 @@
 
 Polls /proc every --interval seconds for the command's descendants and prints one JSON line
 at the end: each process's peak RSS (its kernel-kept high-water mark, so short peaks between
-polls are counted too, for processes alive at a poll), their sum, and the machine's total.
-Linux only.
+polls are counted too, for processes alive at a poll), their sum, the machine's total, and
+`tree_peak_rss_bytes`: the largest high-water mark of any process of the command's tree once
+all are reaped (the kernel's `RUSAGE_CHILDREN` maximum), which also holds what a process
+reached after the last poll (a final checkpoint just before it exits). Linux only.
 """
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -67,7 +70,9 @@ def main(argv=None):
     with open("/proc/meminfo") as f:
         total = int(next(l for l in f if l.startswith("MemTotal")).split()[1]) * 1024
     big = {pid: v for pid, v in peaks.items() if v[1] > 64 << 20}
+    tree = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
     print(json.dumps({"returncode": proc.returncode, "mem_total_bytes": total,
+                      "tree_peak_rss_bytes": tree,
                       "peak_rss_bytes": {str(pid): hwm for pid, (_, hwm) in big.items()},
                       "commands": {str(pid): c[:200] for pid, (c, _) in big.items()},
                       "sum_peak_rss_bytes": sum(h for _, h in big.values())}), flush=True)

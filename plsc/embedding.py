@@ -148,7 +148,9 @@ class VerificationEvaluator:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"verification pack {path} does not exist (Eval.root="
                                         f"{root}, target {target!r})")
-            pairs = len(read_verification_bin(path, decode=False)[1])  # before any step
+            # before any step; read again (decoded) at the first evaluation: keeping the
+            # encoded bytes instead would hold every pack (50-90 MB each) through training
+            pairs = len(read_verification_bin(path, decode=False)[1])
             if pairs < FOLDS:
                 raise DataError(f"{path}: {pairs} pairs, expected at least {FOLDS} (the "
                                 f"verification accuracy is {FOLDS}-fold)")
