@@ -145,7 +145,7 @@ def _k(types, default, help, **kw):
 
 
 NUM = (int, float)
-GRAD_SYNC_MODES = ("backward", "thread", "after")  # Optimizer.grad_sync: grad_sync.OverlappedSum
+GRAD_SYNC_MODES = ("auto", "backward", "thread", "after")  # Optimizer.grad_sync: grad_sync.OverlappedSum
 SCHEMA = {
     "Global": {
         "seed": _k(int, 0, "seed of initialisation, data order and sampling"),
@@ -260,11 +260,12 @@ SCHEMA = {
                                    "sends: float32, or float16/bfloat16 (half the bytes, as "
                                    "arcface_torch's fp16 compression hook; the sum comes back "
                                    "rounded to it)", choices=FLOAT_DTYPES),
-        "grad_sync": _k(str, "backward", "where the backbone's gradient all-reduces start: "
+        "grad_sync": _k(str, "auto", "where the backbone's gradient all-reduces start: "
                         "backward (each bucket from the backward's hooks as its gradients are "
                         "complete), thread (the hooks hand it to a communication thread: "
                         "concurrent with the backward on gloo too), after (all after the "
-                        "backward)", choices=GRAD_SYNC_MODES),
+                        "backward); auto: thread on the CPU, backward on a GPU",
+                        choices=GRAD_SYNC_MODES),
     },
     "LRScheduler": {
         "name": _k(str, "poly", "poly, piecewise or cosine", choices=("poly", "piecewise", "cosine")),

@@ -50,7 +50,7 @@ def test_an_all_reduce_failing_in_the_backward_is_raised_by_finish(monkeypatch):
     monkeypatch.setattr(grad_sync.pd, "group_rank_size", lambda group=None: (0, 2))
     monkeypatch.setattr(grad_sync, "_reduce_flat", fail)
     layer = paddle.nn.Linear(3, 2)
-    summed = OverlappedSum(layer.parameters())
+    summed = OverlappedSum(layer.parameters(), mode="backward")
     summed.arm()
     layer(paddle.rand([4, 3])).sum().backward()  # the hooks' all-reduce fails: kept, not raised
     with pytest.raises(RuntimeError) as info:
@@ -61,6 +61,19 @@ def test_an_all_reduce_failing_in_the_backward_is_raised_by_finish(monkeypatch):
 def test_a_wire_dtype_outside_the_three_is_refused():
     with pytest.raises(ValueError, match="float16"):
         OverlappedSum(paddle.nn.Linear(2, 2).parameters(), dtype="int8")
+
+
+def test_auto_is_the_thread_on_the_cpu_and_the_hooks_on_a_gpu():
+    """The config's default, Optimizer.grad_sync auto: a communication thread where gloo runs
+    each all-reduce to its end (the CPU), the backward's hooks where NCCL's are asynchronous;
+    an explicit mode is kept; OverlappedSum resolves it on this (CPU) machine."""
+    from plsc.config import load_config
+    from plsc.train.grad_sync import resolve_mode
+    assert load_config("configs/demo.yaml")["Optimizer"]["grad_sync"] == "auto"
+    assert resolve_mode("auto", "cpu") == "thread"
+    assert resolve_mode("auto", "gpu:0") == "backward"
+    assert [resolve_mode(m, "cpu") for m in MODES] == list(MODES)
+    assert OverlappedSum(paddle.nn.Linear(2, 2).parameters()).mode == "thread"
 
 
 @pytest.mark.parametrize("how", ["overlapped", "after"])

@@ -31,7 +31,8 @@ import paddle
 from .. import distributed as pd
 from ..config import GRAD_SYNC_MODES as MODES
 
-__all__ = ["BUCKET", "MODES", "OVERLAP_BUCKET_BYTES", "OverlappedSum", "sum_gradients"]
+__all__ = ["BUCKET", "MODES", "OVERLAP_BUCKET_BYTES", "OverlappedSum", "sum_gradients",
+           "resolve_mode"]
 
 BUCKET = 1 << 24  # elements per all-reduce of `sum_gradients`
 OVERLAP_BUCKET_BYTES = 25 << 20  # gradient bytes per all-reduce of `OverlappedSum`
@@ -75,6 +76,17 @@ def sum_gradients(params, group=None, extra=None, dtype="float32"):
     return extra
 
 
+def resolve_mode(mode, device=None):
+    """`mode` with "auto" resolved for `device` (Paddle's current one by default): "thread" on
+    the CPU, where gloo runs a hook's all-reduce to its end and only a thread lets the backward
+    go on (1.6-1.8 % of IResNet50's step, docs/performance.md), "backward" on a GPU, where the
+    hooks' all-reduces are asynchronous without a thread."""
+    if mode != "auto":
+        return mode
+    device = paddle.get_device() if device is None else device
+    return "thread" if str(device).startswith("cpu") else "backward"
+
+
 class _CommThread:
     """A daemon thread that runs collectives one after the other, in submission order."""
 
@@ -114,18 +126,19 @@ class OverlappedSum:
     3.3's gloo runs it to the end inside the hook); "thread", the hooks hand it to a thread
     of this process that runs the all-reduces in order, on a process group of its own (its
     messages never meet the head's), while the backward goes on; "after", every bucket is
-    sent by `finish` (`arm` does nothing).
+    sent by `finish` (`arm` does nothing); "auto", `resolve_mode`'s choice.
 
     `timing()` after `finish`: how long the step's all-reduces ran, as far as seen (gloo's,
     which end when their call returns, and the thread's; on NCCL the part after the call is
     not seen), how long this thread waited for them, and how many buckets the backward sent."""
 
     def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES, dtype="float32",
-                 mode="backward"):
+                 mode="auto"):
         if dtype not in pd.WIRE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(pd.WIRE_DTYPES)}, got {dtype!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        mode = resolve_mode(mode)
         self.params = [p for p in params if not p.stop_gradient]
         self.group, self.dtype, self.mode = group, dtype, mode
         self.buckets, self._bucket_of = [], {}

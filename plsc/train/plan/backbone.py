@@ -26,7 +26,7 @@ class BackboneCost:
         self.largest = max((int(p.size) for p in params), default=0)  # elements
         wire = cfg["Optimizer"]["grad_allreduce_dtype"]
         self.buckets = [sum(int(p.size) for p in b)
-                        for b in OverlappedSum(trainable, dtype=wire).buckets]
+                        for b in OverlappedSum(trainable, dtype=wire, mode="after").buckets]
         self.wire = wire
         self.optimizer = cfg["Optimizer"]["name"]
 
