@@ -263,3 +263,44 @@ def test_narrow_iresnets_stay_plain():
     model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
     model(paddle.randn([2, 3, 32, 32]))
     assert not model.conv1.emit_blocked and seen == [4]
+
+
+@pytest.fixture
+def other_block():
+    """The block oneDNN did not choose, forced for the test (`onednn.force_block`), then
+    oneDNN's own choice again."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    native = blocked.block()
+    onednn.force_block(24 - native)  # 8 <-> 16
+    yield 24 - native
+    onednn.force_block(None)
+    assert blocked.block() == native
+
+
+def test_a_forced_block_is_followed_and_planned_apart(other_block):
+    """The block forced on this CPU: the layout, a convolution (against Paddle's conv2d) and a
+    BatchNorm (float64) take it, in plans of their own beside the native block's."""
+    assert blocked.block() == other_block and onednn.blocked_native()
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 16, 6, 7)).astype(np.float32)
+    xb = blocked.to_blocked(paddle.to_tensor(x))
+    assert xb.shape == [2, 16 // other_block, 6, 7, other_block]
+    assert np.array_equal(xb.numpy(), _to_blocked(x))
+    paddle.seed(10)
+    conv = Conv2D(16, 32, 3, padding=1, bias_attr=False)
+    y = conv(xb)
+    assert blocked.is_blocked(y)
+    _close(_to_plain(y.numpy()), F.conv2d(paddle.to_tensor(x), conv.weight, padding=1).numpy(),
+           2e-5, "conv")
+    geometry = ((2, 16, 6, 7), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1), (1, 1), 1, False, True,
+                True)
+    forced = onednn.plan(*geometry)
+    onednn.force_block(None)
+    assert onednn.plan(*geometry) is not forced  # the native block's own plan
+    onednn.force_block(other_block)
+    layer = BatchNorm2D(16, epsilon=EPS)
+    out = layer(xb)
+    assert ((2, 16, 6, 7), EPS, other_block) in onednn.batchnorm._plans
+    ones, zeros = np.ones(16), np.zeros(16)
+    _close(_to_plain(out.numpy()), _batch_norm64(x, ones, zeros, x)[0], 1e-5, "batch norm")
