@@ -1,6 +1,12 @@
-"""Activations kept blocked (nChw16c, `plsc.models.blocked`): each layer that takes them against
-an oracle on the plain layout (float64 numpy for BatchNorm and PReLU, Paddle's conv2d and its
-autograd for the convolution), and IResNet's blocked run against its own plain run."""
+"""Activations kept blocked (nChw16c or nChw8c, `plsc.models.blocked`): each layer that takes
+them against an oracle on the plain layout (float64 numpy for BatchNorm and PReLU, Paddle's
+conv2d and its autograd for the convolution), and IResNet's blocked run against its own plain
+run. The block is oneDNN's own choice (16 on AVX-512, 8 on AVX2): the whole module runs again in
+one process under ``ONEDNN_MAX_CPU_ISA=AVX2`` (`test_the_module_under_the_avx2_cap`)."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -13,16 +19,51 @@ from plsc.models.conv import Conv2D
 from plsc.models.prelu import prelu
 
 EPS = 1e-5
+CAP = "ONEDNN_MAX_CPU_ISA"
 
 
 def _to_blocked(a):
+    """Plain [N, C, H, W] as [N, C/B, H, W, B], B the block in use."""
     n, c, h, w = a.shape
-    return np.ascontiguousarray(a.reshape(n, c // 16, 16, h, w).transpose(0, 1, 3, 4, 2))
+    size = blocked.block()
+    return np.ascontiguousarray(a.reshape(n, c // size, size, h, w).transpose(0, 1, 3, 4, 2))
 
 
 def _to_plain(b):
-    n, cb, h, w, _ = b.shape
-    return b.transpose(0, 1, 4, 2, 3).reshape(n, cb * 16, h, w)
+    n, cb, h, w, size = b.shape
+    return b.transpose(0, 1, 4, 2, 3).reshape(n, cb * size, h, w)
+
+
+def _avx512_core():
+    """True when this CPU has the AVX-512 subsets oneDNN's avx512_core kernels need."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags)
+
+
+def test_block_is_onednns_own_choice():
+    """16 channels where oneDNN runs its AVX-512 kernels, 8 under an AVX2 cap (or CPU)."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    capped = os.environ.get(CAP, "").upper() == "AVX2"
+    if not (capped or _avx512_core()):
+        pytest.skip("neither AVX-512 nor the AVX2 cap: no expectation")
+    assert (blocked.block(), onednn.blocked_native()) == ((8 if capped else 16), True)
+
+
+def test_the_module_under_the_avx2_cap():
+    """This module again in a process whose oneDNN is capped at AVX2 (read when it loads):
+    every layer and IResNet on the 8-channel block."""
+    if os.environ.get(CAP) or not _avx512_core():
+        pytest.skip("already capped, or no AVX-512 to cap: this process ran the 8-channel block")
+    env = dict(os.environ, **{CAP: "AVX2"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " failed" not in proc.stdout and " passed" in proc.stdout
 
 
 def _close(got, want, rel, name=""):
@@ -32,13 +73,15 @@ def _close(got, want, rel, name=""):
 
 def test_layout_round_trip_and_bad_channels():
     x = np.random.default_rng(0).standard_normal((2, 32, 3, 5)).astype(np.float32)
+    size = blocked.block()
     b = blocked.to_blocked(paddle.to_tensor(x))
-    assert b.shape == [2, 2, 3, 5, 16] and blocked.is_blocked(b)
+    assert b.shape == [2, 32 // size, 3, 5, size] and blocked.is_blocked(b)
     assert np.array_equal(b.numpy(), _to_blocked(x))
     assert blocked.logical_shape(b) == [2, 32, 3, 5]
     assert np.array_equal(blocked.to_plain(b).numpy(), x)
-    with pytest.raises(ValueError, match="multiples of 16, got 24"):
-        blocked.to_blocked(paddle.zeros([1, 24, 2, 2]))
+    bad = size + size // 2
+    with pytest.raises(ValueError, match=f"multiples of {size}, got {bad}"):
+        blocked.to_blocked(paddle.zeros([1, bad, 2, 2]))
 
 
 def _batch_norm64(x, w, b, g):
@@ -66,8 +109,9 @@ def test_batch_norm_on_blocked_data_matches_float64(unbiased):
     layer.bias.set_value(b)
     xb = paddle.to_tensor(_to_blocked(x), stop_gradient=False)
     y = layer(xb)
-    assert y.shape == [4, 2, 5, 6, 16]
-    assert (shape, EPS) in onednn.batchnorm._plans  # oneDNN's kernel ran
+    size = blocked.block()
+    assert y.shape == [4, 32 // size, 5, 6, size]
+    assert (shape, EPS, size) in onednn.batchnorm._plans  # oneDNN's kernel ran
     y.backward(paddle.to_tensor(_to_blocked(g)))
     want_y, want_dx, want_dw, want_db, mean, var = _batch_norm64(x, w, b, g)
     _close(_to_plain(y.numpy()), want_y, 1e-5, "y")
@@ -105,7 +149,7 @@ def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes):
     xb = paddle.to_tensor(_to_blocked(x), stop_gradient=False)
     ab = paddle.to_tensor(a, stop_gradient=False)
     y = prelu(xb, ab)
-    assert y.shape == [3, 2, 4, 5, 16]
+    assert y.shape == [3, 32 // blocked.block(), 4, 5, blocked.block()]
     y.backward(paddle.to_tensor(_to_blocked(g)))
     xp = paddle.to_tensor(x, stop_gradient=False)
     ap = paddle.to_tensor(a, stop_gradient=False)
@@ -122,7 +166,8 @@ def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes):
 
 # in, out, kernel, stride, bias, blocked input (else a plain input asked for a blocked output)
 CONVS = [(3, 16, 3, 1, False, False), (16, 32, 3, 2, False, True), (32, 32, 1, 2, True, True),
-         (32, 16, 3, 1, False, True), (16, 24, 3, 1, False, True)]  # the last: a plain output
+         (32, 16, 3, 1, False, True), (16, 24, 3, 1, False, True),  # blocked in 8s, plain in 16s
+         (16, 20, 3, 1, False, True)]  # a plain output
 
 
 @pytest.mark.parametrize("case", CONVS)
@@ -136,7 +181,7 @@ def test_conv_on_blocked_data_matches_paddle_conv2d(case, monkeypatch):
     x = np.random.default_rng(4).standard_normal((3, cin, 10, 9)).astype(np.float32)
     xt = paddle.to_tensor(_to_blocked(x) if blocked_in else x, stop_gradient=False)
     y = conv(xt)
-    out_blocked = cout % 16 == 0
+    out_blocked = cout % blocked.block() == 0
     assert blocked.is_blocked(y) == out_blocked
     shape = blocked.logical_shape(y) if out_blocked else y.shape
     g = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
@@ -182,19 +227,21 @@ def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
     model = IResNet((1, 1, 1, 1), widths=(64, 64, 128, 128), input_size=(32, 32),
                     embedding_size=32)
     seen = []
-    model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
+    model.layer2[0].register_forward_post_hook(
+        lambda layer, inputs, out: seen.append(out.shape[4] if out.ndim == 5 else 0))
     start = {k: v.clone() for k, v in model.state_dict().items()}
     x = paddle.to_tensor(np.random.default_rng(7).standard_normal((4, 3, 32, 32)).astype("float32"))
     r = paddle.to_tensor(np.random.default_rng(8).standard_normal((4, 32)).astype("float32"))
     got = _train_and_eval(model, x, r)
     native = kernels == "cpu" and onednn.blocked_native()
-    assert seen == ([5, 5] if native else [4, 4])  # the training and the evaluation forward
+    size = blocked.block()  # blocked in its blocks, for the training and the evaluation forward
+    assert seen == ([size, size] if native else [0, 0])
     if not native:
         return
     model.set_state_dict(start)
     model.conv1.emit_blocked = False  # the plain oneDNN run
     want = _train_and_eval(model, x, r)
-    assert seen[2:] == [4, 4]
+    assert seen[2:] == [0, 0]
     _close(got[0], want[0], 1e-5, "embeddings")
     assert got[1].keys() == want[1].keys()
     # a bias that a BatchNorm follows has a gradient of 0 up to rounding: an absolute floor
@@ -216,3 +263,44 @@ def test_narrow_iresnets_stay_plain():
     model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
     model(paddle.randn([2, 3, 32, 32]))
     assert not model.conv1.emit_blocked and seen == [4]
+
+
+@pytest.fixture
+def other_block():
+    """The block oneDNN did not choose, forced for the test (`onednn.force_block`), then
+    oneDNN's own choice again."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    native = blocked.block()
+    onednn.force_block(24 - native)  # 8 <-> 16
+    yield 24 - native
+    onednn.force_block(None)
+    assert blocked.block() == native
+
+
+def test_a_forced_block_is_followed_and_planned_apart(other_block):
+    """The block forced on this CPU: the layout, a convolution (against Paddle's conv2d) and a
+    BatchNorm (float64) take it, in plans of their own beside the native block's."""
+    assert blocked.block() == other_block and onednn.blocked_native()
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 16, 6, 7)).astype(np.float32)
+    xb = blocked.to_blocked(paddle.to_tensor(x))
+    assert xb.shape == [2, 16 // other_block, 6, 7, other_block]
+    assert np.array_equal(xb.numpy(), _to_blocked(x))
+    paddle.seed(10)
+    conv = Conv2D(16, 32, 3, padding=1, bias_attr=False)
+    y = conv(xb)
+    assert blocked.is_blocked(y)
+    _close(_to_plain(y.numpy()), F.conv2d(paddle.to_tensor(x), conv.weight, padding=1).numpy(),
+           2e-5, "conv")
+    geometry = ((2, 16, 6, 7), (32, 16, 3, 3), (1, 1), (1, 1), (1, 1), (1, 1), 1, False, True,
+                True)
+    forced = onednn.plan(*geometry)
+    onednn.force_block(None)
+    assert onednn.plan(*geometry) is not forced  # the native block's own plan
+    onednn.force_block(other_block)
+    layer = BatchNorm2D(16, epsilon=EPS)
+    out = layer(xb)
+    assert ((2, 16, 6, 7), EPS, other_block) in onednn.batchnorm._plans
+    ones, zeros = np.ones(16), np.zeros(16)
+    _close(_to_plain(out.numpy()), _batch_norm64(x, ones, zeros, x)[0], 1e-5, "batch norm")

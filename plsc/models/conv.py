@@ -43,14 +43,15 @@ def _plan(x, weight, bias, geometry, blocked_out, n=None):
         shape[0] = n
     p = onednn.plan(shape, weight.shape, *geometry, bias is not None, blocked_in, blocked_out)
     n, c, h, w = p.out_shape
-    return p, ([n, c // blocked.BLOCK, h, w, blocked.BLOCK] if blocked_out else list(p.out_shape))
+    b = blocked.block()
+    return p, ([n, c // b, h, w, b] if blocked_out else list(p.out_shape))
 
 
 def _pieces(x, out_shape, weight, bias, geometry, blocked_out, full):
     """(plan, byte offset into x, byte offset into y) of each piece of the batch: pieces of
     `onednn.samples_per_call` samples, so that no staged (reordered) activation grows oneDNN's
-    shared scratch past its budget (on AVX2, where activations stay plain, IResNet18's
-    112 x 112 ones at batch 32 would otherwise hold two 103 MB slots). Each sample's output
+    shared scratch past its budget (where activations stay plain, IResNet18's 112 x 112
+    ones at batch 32 would otherwise hold two 103 MB slots). Each sample's output
     and data gradient depend on that sample alone; the weight gradient is a sum over samples."""
     n = int(x.shape[0])
     step = max(1, onednn.samples_per_call(full, n))  # an empty batch: no call
@@ -126,8 +127,8 @@ class Conv2D(nn.Conv2D):
 
     A blocked input (`plsc.models.blocked`) gives a blocked output, and with `emit_blocked`
     set a plain input does too where oneDNN's own choice is that layout
-    (`onednn.blocked_native`), unless the output's channels do not fill blocks of 16 or the
-    convolution is grouped (then the output is plain)."""
+    (`onednn.blocked_native`), unless the output's channels do not fill whole blocks
+    (`blocked.block()`: 16 or 8) or the convolution is grouped (then the output is plain)."""
 
     emit_blocked = False
 
@@ -137,7 +138,7 @@ class Conv2D(nn.Conv2D):
             return super().forward(blocked.to_plain(x) if blocked.is_blocked(x) else x)
         geometry = (_pair(self._stride),) + padding + (_pair(self._dilation), int(self._groups))
         blocked_out = ((blocked.is_blocked(x) or (self.emit_blocked and onednn.blocked_native()))
-                       and self._groups == 1 and self._out_channels % blocked.BLOCK == 0)
+                       and self._groups == 1 and self._out_channels % blocked.block() == 0)
         if not paddle.is_grad_enabled():
             return _forward_no_grad(x, self.weight, self.bias, geometry, blocked_out)
         return _OneDNNConv2D.apply(x, self.weight, self.bias, geometry, blocked_out)

@@ -96,7 +96,7 @@ class IResNet(nn.Layer):
         self.conv1 = _conv(3, self.widths[0], 3)
         # on oneDNN, activations stay blocked from the stem to the last BatchNorm
         self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH
-                                   and all(w % blocked.BLOCK == 0 for w in self.widths))
+                                   and all(w % blocked.block() == 0 for w in self.widths))
         self.bn1 = _bn(self.widths[0])
         self.prelu = PReLU(self.widths[0])
         in_channels = self.widths[0]

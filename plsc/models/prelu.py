@@ -33,9 +33,9 @@ _SLAB = 64 << 10  # floats per slab (256 KiB): a slab's temporaries stay in the 
 
 def _rows(t, lanes):
     """`t` ([N, C, ...]) as a numpy [N·C, rest] view of its memory; a blocked activation
-    (`lanes`: [N, C/16, H, W, 16], `plsc.models.blocked`) as [N·C/16, H·W, 16]."""
+    (`lanes`: [N, C/B, H, W, B], `plsc.models.blocked`) as [N·C/B, H·W, B]."""
     if lanes:
-        return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1, blocked.BLOCK)
+        return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1, t.shape[-1])
     return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1)
 
 
@@ -64,8 +64,9 @@ def _row_slopes(slope, x, lanes):
     channel, or the one shared slope."""
     a = slope.numpy().astype(np.float32).reshape(-1)
     if lanes:
-        a = np.broadcast_to(a, (x.shape[1] * blocked.BLOCK,))
-        return np.tile(a.reshape(-1, 1, blocked.BLOCK), (x.shape[0], 1, 1))
+        b = x.shape[-1]  # channels a block holds
+        a = np.broadcast_to(a, (x.shape[1] * b,))
+        return np.tile(a.reshape(-1, 1, b), (x.shape[0], 1, 1))
     return np.tile(a if a.size == x.shape[1] else np.repeat(a, x.shape[1]), x.shape[0])[:, None]
 
 

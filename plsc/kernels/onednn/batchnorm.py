@@ -1,19 +1,20 @@
 """oneDNN's batch normalization (training forward and backward) on blocked float32 memory.
 
-For a backbone that keeps its activations in oneDNN's blocked layout (nChw16c,
-`plsc.models.blocked`): there oneDNN's jit kernel runs BatchNorm faster than Paddle's CPU kernel
-on the plain layout (IResNet50's largest map, [32, 64, 112, 112], one thread: 14.3 + 17.4 ms
-against 22.0 + 43.9, docs/performance.md), while on the plain layout it is slower. The forward
-returns the batch's mean and biased variance (the running statistics are the caller's); the
-backward gives dx, d(scale) and d(shift); `infer` normalises with given (running) statistics,
-without gradients. One plan per (shape, epsilon), kept for the process.
+For a backbone that keeps its activations in oneDNN's blocked layout (nChw16c or nChw8c:
+`plsc.kernels.onednn.conv.block`, `plsc.models.blocked`): there oneDNN's jit kernel runs
+BatchNorm faster than Paddle's CPU kernel on the plain layout (IResNet50's largest map,
+[32, 64, 112, 112], one thread, AVX-512: 14.3 + 17.4 ms against 22.0 + 43.9,
+docs/performance.md), while on the plain layout it is slower. The forward returns the batch's
+mean and biased variance (the running statistics are the caller's); the backward gives dx,
+d(scale) and d(shift); `infer` normalises with given (running) statistics, without gradients.
+One plan per (shape, epsilon, block), kept for the process.
 """
 import ctypes
 
-from .conv import BLOCK
+from .conv import block, blocked_tag
 from .library import (ARG_DIFF_DST, ARG_DIFF_SCALE, ARG_DIFF_SHIFT, ARG_DIFF_SRC, ARG_DST,
                       ARG_MEAN, ARG_SCALE, ARG_SHIFT, ARG_SRC, ARG_VARIANCE, BACKWARD,
-                      FORWARD_INFERENCE, FORWARD_TRAINING, TAG_A, TAG_ABCD16B, USE_GLOBAL_STATS,
+                      FORWARD_INFERENCE, FORWARD_TRAINING, TAG_A, USE_GLOBAL_STATS,
                       USE_SCALE, USE_SHIFT, bind, engine, execute, lib, md, memory, ok,
                       primitive, vp)
 
@@ -24,11 +25,11 @@ _FLAGS = USE_SCALE | USE_SHIFT
 
 
 class _BatchNorm:
-    def __init__(self, shape, epsilon):
-        if shape[1] % BLOCK:
-            raise ValueError(f"blocked batch norm needs channels in blocks of {BLOCK}, "
+    def __init__(self, shape, epsilon, size):
+        if shape[1] % size:
+            raise ValueError(f"blocked batch norm needs channels in blocks of {size}, "
                              f"got shape {shape}")
-        self.data, self.stat = md(shape, TAG_ABCD16B), md(shape[1:2], TAG_A)
+        self.data, self.stat = md(shape, blocked_tag(size)), md(shape[1:2], TAG_A)
         self.epsilon = float(epsilon)
         self.fwd_pd = vp()
         ok(lib().dnnl_batch_normalization_forward_primitive_desc_create(
@@ -77,8 +78,8 @@ class _BatchNorm:
 
 
 def batchnorm_plan(shape, epsilon):
-    """The batch norm plan of logical NCHW `shape` held in blocks of `BLOCK` channels."""
-    key = (tuple(int(d) for d in shape), float(epsilon))
+    """The batch norm plan of logical NCHW `shape` held in blocks of `block()` channels."""
+    key = (tuple(int(d) for d in shape), float(epsilon), block())
     if key not in _plans:
         _plans[key] = _BatchNorm(*key)
     return _plans[key]

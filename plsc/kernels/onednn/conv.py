@@ -5,27 +5,32 @@ torch's CPU convolutions run on too) has direct kernels for blocked layouts. The
 chooses its layouts and the gradients take the same activation layouts (`_gradient_pd`); a
 plain input is reordered into them and a result back, both by oneDNN, and the weight gradient
 reads the output gradient the data gradient already reordered. An input or output given in
-the blocked layout itself (nChw16c, `blocked_in` / `blocked_out`: a backbone that keeps its
-activations blocked, `plsc.models.blocked`) is read and written where it is, with no reorder.
+the blocked layout itself (`blocked_in` / `blocked_out`: a backbone that keeps its activations
+blocked, `plsc.models.blocked`) is read and written where it is, with no reorder. That layout's
+block (`block`: nChw16c where oneDNN's convolutions run AVX-512 kernels, nChw8c under AVX2) is
+the one oneDNN itself chooses for a convolution's output, asked once a process.
 
-One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias) holds the
-primitives and their reorders; plans are built on first use and kept for the process. The
-blocked copies live in scratch buffers all plans share (`library.SCRATCH`, four slots grown to
-the largest geometry's sizes), only for the duration of a call. oneDNN runs on the OpenMP threads Paddle runs on. The layer that chooses
-between this and Paddle's `conv2d` is `plsc.models.conv.Conv2D`.
+One `_Plan` per convolution geometry (shapes, stride, padding, dilation, groups, bias; layouts
+and block) holds the primitives and their reorders; plans are built on first use and kept for
+the process. The blocked copies live in scratch buffers all plans share (`library.SCRATCH`,
+four slots grown to the largest geometry's sizes), only for the duration of a call. oneDNN
+runs on the OpenMP threads Paddle runs on. The layer that chooses between this and Paddle's
+`conv2d` is `plsc.models.conv.Conv2D`.
 """
 import ctypes
 
 from .library import (ARG_BIAS, ARG_DIFF_BIAS, ARG_DIFF_DST, ARG_DIFF_SRC, ARG_DIFF_WEIGHTS,
                       ARG_DST, ARG_SRC, ARG_WEIGHTS, CONVOLUTION_DIRECT, FORWARD_TRAINING,
                       QUERY_DIFF_DST, QUERY_DIFF_SRC, QUERY_DIFF_WEIGHTS, QUERY_DST, QUERY_SRC,
-                      QUERY_WEIGHTS, SCRATCH, TAG_A, TAG_ABCD, TAG_ABCD16B, TAG_ABCDE, TAG_ANY, Arg,
+                      QUERY_WEIGHTS, SCRATCH, TAG_A, TAG_ABCD, TAG_ABCD8B, TAG_ABCD16B, TAG_ABCDE,
+                      TAG_ANY, Arg, available,
                       dims, engine, execute, lib, md, memory, ok, primitive, set_handle, vp)
 
 __all__ = ["plan", "plan_count", "scratch_bytes", "samples_per_call", "conv_forward",
-           "conv_backward", "blocked_native", "CALL_BYTES", "BLOCK"]
+           "conv_backward", "blocked_native", "block", "blocked_tag", "force_block",
+           "CALL_BYTES"]
 
-BLOCK = 16  # channels a block of the blocked layout (TAG_ABCD16B) holds
+_TAGS = {16: TAG_ABCD16B, 8: TAG_ABCD8B}  # channels a block holds: the layout's oneDNN tag
 
 _plans = {}
 # The shared scratch slot (`library.SCRATCH`) of each argument. No primitive has two arguments
@@ -42,7 +47,7 @@ class _Plan:
     """The primitives of one convolution geometry: forward, then (on first use) the gradients."""
 
     def __init__(self, x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias,
-                 blocked_in=False, blocked_out=False):
+                 blocked_in=False, blocked_out=False, block_size=16):
         n, c, h, w = x_shape
         o, _, kh, kw = w_shape
         oh = (h + pad_l[0] + pad_r[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -57,7 +62,8 @@ class _Plan:
                          dims(pad_r))
         # the layouts the tensors hold ("plain" unless given blocked) and the ones oneDNN may
         # choose from ("any", or the blocked layout given)
-        src_tag, dst_tag = (TAG_ABCD16B if b else TAG_ABCD for b in (blocked_in, blocked_out))
+        src_tag, dst_tag = (blocked_tag(block_size) if b else TAG_ABCD
+                            for b in (blocked_in, blocked_out))
         self.plain = {"src": md(x_shape, src_tag), "weights": md(w_dims, w_tag),
                       "dst": md(self.out_shape, dst_tag)}
         self.any = {"src": self.plain["src"] if blocked_in else md(x_shape, TAG_ANY),
@@ -164,28 +170,56 @@ class _Plan:
 def plan(x_shape, w_shape, stride, pad_l, pad_r, dilation, groups, bias, blocked_in=False,
          blocked_out=False):
     """The `_Plan` of this geometry and layout (built on first use; the library must be
-    `available`). `x_shape` is the logical NCHW shape whatever the layout."""
+    `available`). `x_shape` is the logical NCHW shape whatever the layout; a blocked one is in
+    blocks of `block()` channels."""
     key = (tuple(x_shape), tuple(w_shape), tuple(stride), tuple(pad_l), tuple(pad_r),
-           tuple(dilation), int(groups), bool(bias), bool(blocked_in), bool(blocked_out))
+           tuple(dilation), int(groups), bool(bias), bool(blocked_in), bool(blocked_out),
+           block() if blocked_in or blocked_out else 0)
     found = _plans.get(key)
     if found is None:
         found = _plans[key] = _Plan(*key)
     return found
 
 
-_native = []
+_native = []  # (block, blocked_native) once a process
+
+
+def _native_layout():
+    if not _native:
+        _native.append((16, False))
+        if available():  # ask a 16-to-16-channel 3x3 convolution (not kept among the plans)
+            p = _Plan((2, 16, 8, 8), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), (1, 1), 1, False)
+            for size, tag in _TAGS.items():
+                if lib().dnnl_memory_desc_equal(p.fwd_args["dst"].wanted, md(p.out_shape, tag)):
+                    _native[0] = (size, True)
+    return _native[0]
+
+
+def block():
+    """Channels a block of the blocked layout holds: those of the layout oneDNN, left to
+    choose, gives a convolution's output (16 where its kernels are AVX-512, 8 under AVX2:
+    `ONEDNN_MAX_CPU_ISA=AVX2` or an AVX2 CPU), 16 where it chooses neither. Asked once a
+    process (`force_block` overrides it)."""
+    return _native_layout()[0]
 
 
 def blocked_native():
-    """True when oneDNN, left to choose, puts a convolution's output in the blocked layout
-    (`TAG_ABCD16B`: its AVX-512 kernels), so that keeping activations in it costs no kernel
-    speed. Asked once a process, of a 16-to-16-channel 3x3 convolution."""
-    if not _native:
-        p = _Plan((2, BLOCK, 8, 8), (BLOCK, BLOCK, 3, 3), (1, 1), (1, 1), (1, 1), (1, 1), 1,
-                  False)  # not kept among the plans
-        blocked = md(p.out_shape, TAG_ABCD16B)
-        _native.append(bool(lib().dnnl_memory_desc_equal(p.fwd_args["dst"].wanted, blocked)))
-    return _native[0]
+    """True when oneDNN, left to choose, puts a convolution's output in a blocked layout
+    (nChw16c or nChw8c: `block`), so that keeping activations in it costs no kernel speed."""
+    return _native_layout()[1]
+
+
+def blocked_tag(size):
+    """oneDNN's format tag of the blocked layout in blocks of `size` channels (aBcd16b, aBcd8b)."""
+    return _TAGS[size]
+
+
+def force_block(size):
+    """Make `block` `size` (8 or 16) and `blocked_native` true for this process, or with None
+    ask oneDNN again (tests: the other block's paths on this CPU). Plans are kept per block."""
+    if size is not None and size not in _TAGS:
+        raise ValueError(f"a block holds 8 or 16 channels, got {size}")
+    _native[:] = [] if size is None else [(size, True)]
 
 
 def plan_count():
@@ -204,9 +238,9 @@ def samples_per_call(p, n):
     slot holds already, or `CALL_BYTES` if that is more. An evaluation's batch larger than
     the training batch would otherwise grow the shared slots to its size for the rest of the
     process (IResNet18, 112 px, three forwards: peak RSS 2.09 against 1.78 GB at 64 images,
-    4.97 against 3.86 GB at 128); a training step whose activations stay plain (AVX2: no
-    blocked layout) would hold two slots of its largest activation (IResNet18 at batch 32:
-    2 x 103 MB)."""
+    4.97 against 3.86 GB at 128); a training step whose activations stay plain (a backbone
+    that does not keep them blocked) would hold two slots of its largest activation (IResNet18
+    at batch 32: 2 x 103 MB)."""
     need = 1
     for name in ("src", "dst"):
         arg = p.fwd_args[name]

@@ -17,6 +17,7 @@ __all__ = ["available", "version", "lib", "engine", "ok", "md", "memory", "set_h
 F32 = 3
 TAG_ANY, TAG_A, TAG_ABCD, TAG_ABCDE = 1, 2, 5, 6
 TAG_ABCD16B = 78  # aBcd16b: NCHW with the channels in blocks of 16 (nChw16c)
+TAG_ABCD8B = 102  # aBcd8b: NCHW with the channels in blocks of 8 (nChw8c)
 FORWARD_TRAINING, BACKWARD_DATA, BACKWARD_WEIGHTS = 64, 160, 192
 CONVOLUTION_DIRECT = 1
 SOFTMAX_ACCURATE = 0x30000
@@ -116,7 +117,8 @@ def _check_enums(lib):
     expected = [("dnnl_dt2str", F32, b"f32"), ("dnnl_fmt_tag2str", TAG_ANY, b"any"),
                 ("dnnl_fmt_tag2str", TAG_A, b"a"), ("dnnl_fmt_tag2str", TAG_ABCD, b"abcd"),
                 ("dnnl_fmt_tag2str", TAG_ABCDE, b"abcde"),
-                ("dnnl_fmt_tag2str", TAG_ABCD16B, b"aBcd16b"), ("dnnl_fmt_tag2str", TAG_AB, b"ab"),
+                ("dnnl_fmt_tag2str", TAG_ABCD16B, b"aBcd16b"),
+                ("dnnl_fmt_tag2str", TAG_ABCD8B, b"aBcd8b"), ("dnnl_fmt_tag2str", TAG_AB, b"ab"),
                 ("dnnl_prop_kind2str", BACKWARD, b"backward"),
                 ("dnnl_alg_kind2str", SOFTMAX_ACCURATE, b"softmax_accurate"),
                 ("dnnl_alg_kind2str", ELTWISE_CLIP_V2, b"eltwise_clip_v2"),
