@@ -77,7 +77,7 @@ def child(args):
         x = (raw.astype("float32").transpose([0, 3, 1, 2]) - 127.5) / 127.5
         model(x).sum().backward()
         opt.step()
-        opt.clear_grad(set_to_zero=False)  # the gradients freed
+        opt.clear_grad(set_to_zero=args.keep_gradients)  # freed, as the trainer does
         if args.release:  # as the trainer does after each of its first steps
             cpu_setup.release_freed_memory()
     before, allocated = _status("VmRSS"), core.host_memory_stat_current_value("Allocated", 0)
@@ -124,7 +124,8 @@ def _run(args, mode, batch):
            str(batch), "--backbone", args.backbone, "--image-size", *map(str, args.image_size),
            "--optimizer", args.optimizer, "--steps", str(steps),
            "--embedding-size", str(args.embedding_size)] + (["--recompute"] if args.recompute else [])
-    cmd += [] if args.release else ["--no-release"]
+    cmd += ([] if args.release else ["--no-release"]) + (
+        ["--keep-gradients"] if args.keep_gradients else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -288,6 +289,10 @@ def parser():
     p.add_argument("--no-release", dest="release", action="store_false",
                    help="keep malloc's freed blocks between steps (the trainer gives them back "
                         "after each of its first steps: cpu_setup.release_freed_memory)")
+    p.add_argument("--keep-gradients", action="store_true",
+                   help="keep the gradients allocated between steps (zeroed) instead of freeing "
+                        "them as the trainer does: the step's peak is then its activations, "
+                        "without the floor of a peak reached once every gradient exists")
     p.add_argument("--write-table", action="store_true",
                    help="measure every entry of TABLE and write plsc/train/plan/measured_table.json")
     p.add_argument("--only", nargs="*", default=[],
