@@ -12,11 +12,15 @@ rows kept).
 Each (mode, batch) runs in a process of its own (one kernel thread, as a rank of a 2-rank run
 on 2 cores, malloc keeping freed blocks as in a run and giving them back after each training
 step as the trainer does after its first steps; `--no-release` keeps them): the backbone and
-its optimizer are built, a uint8 batch is made, then the steps run (forward, backward, the
-optimizer's step; the loss is the embeddings' sum, no head). Reported per process: the peak
-resident set (VmHWM) above the resident set before the first step, less the gradients and the optimizer state the first
-step creates (computed from the parameters' shapes), and the same for Paddle's host allocator
-(its peak above what was allocated before the step). The JSON line at the end gives them per
+its optimizer are built, a uint8 batch is made, then a warm-up step runs (forward, backward,
+the optimizer's step; the loss is the embeddings' sum, no head), which creates the optimizer's
+state and the kernels' caches, and then `--steps` measured steps, the peaks reset just before them
+(`/proc/self/clear_refs`; the warm-up's own peak is the state created beside the gradients,
+not the activations: ViT-L's at batch 4). Reported per process: the measured steps' peak resident
+set (VmHWM) above the resident set before the warm-up, less the gradients and the optimizer
+state (computed from the parameters' shapes; what the warm-up leaves besides, the kernels'
+caches, is counted), and the same for Paddle's host allocator (its peak above what was
+allocated before the warm-up). The JSON line at the end gives them per
 batch size: {batch: bytes}, the planner interpolating between them (the resident set is not
 linear in the batch: malloc keeps freed blocks below 1 GiB and returns larger ones).
 
@@ -68,15 +72,19 @@ def child(args):
     rng = np.random.RandomState(0)
     raw = paddle.to_tensor(rng.randint(0, 255, (args.batch, h, w, 3)).astype(np.uint8))
     model.train()
-    before, allocated = _status("VmRSS"), core.host_memory_stat_current_value("Allocated", 0)
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
-    for _ in range(args.steps):
+
+    def step():
         x = (raw.astype("float32").transpose([0, 3, 1, 2]) - 127.5) / 127.5
         model(x).sum().backward()
         opt.step()
-        opt.clear_grad(set_to_zero=False)
+        opt.clear_grad(set_to_zero=args.keep_gradients)  # freed, as the trainer does
         if args.release:  # as the trainer does after each of its first steps
             cpu_setup.release_freed_memory()
+    before, allocated = _status("VmRSS"), core.host_memory_stat_current_value("Allocated", 0)
+    step()  # the warm-up: the optimizer's state created, the kernels' caches made
+    _reset_peaks(core)  # its peak (the state created beside the gradients) is not the step's
+    for _ in range(args.steps):
+        step()
     grads = 4 * n
     print(json.dumps({"rss_bytes": _status("VmHWM") - before - grads - state,
                       "alloc_bytes": core.host_memory_stat_peak_value("Allocated", 0) - allocated
@@ -94,14 +102,20 @@ def _eval_child(args, model):
     images = np.random.RandomState(0).uniform(
         -1, 1, (max(1, args.steps * args.batch // 2), 3, *args.image_size)).astype(np.float32)
     cpu_setup.release_freed_memory()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
     before, allocated = _status("VmRSS"), core.host_memory_stat_current_value("Allocated", 0)
-    core.host_memory_stat_reset_peak_value("Allocated", 0)
+    _reset_peaks(core)
     embed(model, images, args.batch, flip=True)
     print(json.dumps({"rss_bytes": _status("VmHWM") - before,
                       "alloc_bytes": core.host_memory_stat_peak_value("Allocated", 0) - allocated,
                       "params": sum(int(p.size) for p in model.parameters() if not p.stop_gradient)}))
+
+
+def _reset_peaks(core):
+    """The process's peak resident set (VmHWM := VmRSS, `/proc/self/clear_refs`) and Paddle's
+    allocator peak start again from now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    core.host_memory_stat_reset_peak_value("Allocated", 0)
 
 
 def _run(args, mode, batch):
@@ -110,7 +124,8 @@ def _run(args, mode, batch):
            str(batch), "--backbone", args.backbone, "--image-size", *map(str, args.image_size),
            "--optimizer", args.optimizer, "--steps", str(steps),
            "--embedding-size", str(args.embedding_size)] + (["--recompute"] if args.recompute else [])
-    cmd += [] if args.release else ["--no-release"]
+    cmd += ([] if args.release else ["--no-release"]) + (
+        ["--keep-gradients"] if args.keep_gradients else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -144,8 +159,9 @@ def measure(args):
 
 # The planner's table: every backbone plsc ships, with and without recompute where it has the
 # option; the large ones at a small batch (and ViT-H, IResNet200 at 56 x 56: the planner scales
-# by the pixels, a rule the "check" rows measure at a second size). Each entry: the arguments
-# of this script that measure it.
+# by the pixels, a rule the "check" rows measure at a second size, IResNet100's and ViT-L's; and
+# it extends the line through the two smallest batches, which ViT-L's third batch at 56 x 56
+# checks). Each entry: the arguments of this script that measure it.
 TABLE = [
     "--backbone IResNetTiny --image-size 56 56 --embedding-size 128 --batch 32 64 128 256 "
     "--eval-batch 100 200 --repeats 3",
@@ -164,7 +180,9 @@ TABLE = [
     "--backbone ViT_B --optimizer adamw --batch 4 8 --recompute",
     "--backbone ViT_L_DP005_Mask005 --optimizer adamw --batch 4 8 --recompute",
     "--backbone ViT_L_DP005_Mask005 --optimizer adamw --batch 4 8",
-    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 --recompute",
+    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 16 "
+    "--recompute",
+    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 16",
     "--backbone MobileFaceNet --batch 16 32",
     "--backbone MobileFaceNetLarge --batch 16 32",
     "--backbone IResNet18 --batch 16 32 --eval-batch 64 128",
@@ -184,7 +202,7 @@ TABLE = [
 
 _ABOUT = ("Generated by `python benchmarks/measure_backbone_memory.py --write-table` (do not edit: "
           "run it again; `--only NAME...` re-measures those backbones' entries, `--eval-only` only "
-          "the evaluation points). The rows of "
+          "the evaluation points, `--train-only` only the training ones). The rows of "
           "plsc.train.plan.measured.BACKBONES: each a backbone at an image size, with or without "
           "recompute, its {batch: bytes} points, the arguments that measured it, the machine and "
           "the date.")
@@ -205,11 +223,12 @@ def _table():
     return measured.TABLE, dict(measured.BACKBONES)
 
 
-def write_table(parser, only, missing=False, eval_only=False):
+def write_table(parser, only, missing=False, eval_only=False, train_only=False):
     """Measure the `TABLE` entries (those of the backbones in `only`, when given; with
     `missing`, only those the table has no row for; with `eval_only`, only the evaluation
-    points of the rows that have them) and rewrite the table with them, keeping the other rows
-    as they were."""
+    points of the rows that have them; with `train_only`, only the training points, the
+    evaluation ones kept) and rewrite the table with them, keeping the other rows as they
+    were."""
     import datetime
     path, rows = _table()
     machine = _machine()
@@ -222,6 +241,10 @@ def write_table(parser, only, missing=False, eval_only=False):
         if eval_only:
             row, params = dict(rows[key]), rows[key]["params"]
             row.update(_points(args, "eval", args.eval_batch)[0])
+        elif train_only and key in rows:
+            row = dict(rows[key])
+            points, params = _points(args, "train", args.batch)
+            row.update(points)
         else:
             row, params = measure(args)
         rows[key] = dict(row, params=params, arguments=entry, machine=machine,
@@ -254,7 +277,8 @@ def parser():
     p.add_argument("--eval-batch", type=int, nargs="*", default=[])
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--steps", type=int, default=2, help="training steps a process")
+    p.add_argument("--steps", type=int, default=1,
+                   help="measured training steps a process, after the warm-up step")
     p.add_argument("--eval-steps", type=int, default=10,
                    help="evaluation forwards a process (the demo's evaluation: 1,000 images "
                         "and their flips a rank at 200)")
@@ -265,6 +289,10 @@ def parser():
     p.add_argument("--no-release", dest="release", action="store_false",
                    help="keep malloc's freed blocks between steps (the trainer gives them back "
                         "after each of its first steps: cpu_setup.release_freed_memory)")
+    p.add_argument("--keep-gradients", action="store_true",
+                   help="keep the gradients allocated between steps (zeroed) instead of freeing "
+                        "them as the trainer does: the step's peak is then its activations, "
+                        "without the floor of a peak reached once every gradient exists")
     p.add_argument("--write-table", action="store_true",
                    help="measure every entry of TABLE and write plsc/train/plan/measured_table.json")
     p.add_argument("--only", nargs="*", default=[],
@@ -273,6 +301,8 @@ def parser():
                    help="with --write-table: only the entries the table has no row for")
     p.add_argument("--eval-only", action="store_true",
                    help="with --write-table: only the evaluation points (the training ones kept)")
+    p.add_argument("--train-only", action="store_true",
+                   help="with --write-table: only the training points (the evaluation ones kept)")
     p.add_argument("--child", action="store_true")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
     return p
@@ -281,7 +311,7 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.write_table:
-        return write_table(parser(), args.only, args.missing, args.eval_only)
+        return write_table(parser(), args.only, args.missing, args.eval_only, args.train_only)
     if not args.backbone:
         raise SystemExit("--backbone is required (or --write-table)")
     if args.child:

@@ -311,3 +311,18 @@ def test_training_in_pieces_matches_paddle_and_bounds_the_scratch(monkeypatch):
                           [y2.numpy(), x2.grad.numpy(), w2.grad.numpy(), b2.grad.numpy()]):
         np.testing.assert_allclose(g, r, rtol=0, atol=2e-5 * max(1.0, float(np.abs(r).max())),
                                    err_msg=name)
+
+
+def test_an_evaluation_gives_the_scratch_back():
+    """The trainer's evaluation (its batch grows the shared slots past the steps' sizes)
+    unmaps the scratch when it ends, so the steps after it take only their own sizes."""
+    from types import SimpleNamespace
+
+    from plsc.kernels.onednn.library import SCRATCH
+    from plsc.train.trainer import Trainer
+    SCRATCH.address("a", 1 << 20)
+    assert onednn.scratch_bytes() >= 1 << 20
+    trainer = SimpleNamespace(backbone=paddle.nn.Linear(2, 2), step=0, best={}, eval_history=[],
+                              evaluator=lambda backbone, with_roc: {})
+    assert Trainer.evaluate(trainer) == {}
+    assert onednn.scratch_bytes() == 0

@@ -72,6 +72,25 @@ def test_arrays_for_evaluation(tmp_path):
     np.testing.assert_allclose(data[2], (imgs[2].transpose(2, 0, 1) - 127.5) / 127.5, atol=1e-6)
 
 
+def test_arrays_are_decoded_into_place_not_held_twice(tmp_path):
+    """The load's peak (tracemalloc, which counts numpy's buffers) is the array and the pack's
+    encoded bytes: no list of every decoded image nor their stack beside it (which took the
+    array's size twice more, left as free heap the first evaluation started among)."""
+    import tracemalloc
+    rng = np.random.default_rng(4)
+    imgs = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(200)]
+    write_verification_bin(tmp_path / "v.bin", imgs, [True] * 100, ext=".png")
+    encoded = (tmp_path / "v.bin").stat().st_size
+    tracemalloc.start()
+    try:
+        data, _ = load_verification_arrays(tmp_path / "v.bin", image_size=(32, 32))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_allclose(data[7], (imgs[7].transpose(2, 0, 1) - 127.5) / 127.5, atol=1e-6)
+    assert peak < data.nbytes + 2 * encoded + (1 << 20), (peak, data.nbytes, encoded)
+
+
 def test_count_mismatch_is_reported(tmp_path):
     bins = [png(im) for im in images(3)]
     (tmp_path / "v.bin").write_bytes(pickle.dumps((bins, [True, False])))

@@ -47,17 +47,41 @@ def test_every_backbone_has_activations_with_and_without_recompute(name):
             assert points[xs[-1]] > points[xs[0]], (name, key)
 
 
-def test_pixel_scaling_predicts_the_second_measured_size():
-    """The rule that sizes a convolutional backbone's activations at another size (IResNet200's
-    112 x 112 from its 56 x 56): IResNet100's 112 x 112 row scaled to 56 x 56 against its 56 x 56
-    measurement, within the error docs/scaling.md states (the resident set within 20 %,
-    Paddle's allocator, which the rule over-states, between 0 and 50 % high)."""
-    big = measured.BACKBONES[("IResNet100", 112, 112, False)]
-    small = measured.BACKBONES[("IResNet100", 56, 56, False)]
-    for b, got in small["train_rss"].items():
-        assert abs(measured.at_batch(big["train_rss"], b) / 4 / got - 1) < 0.20, b
-    for b, got in small["train_alloc"].items():
-        assert 1.0 <= measured.at_batch(big["train_alloc"], b) / 4 / got < 1.5, b
+# (backbone, recompute): the bounds docs/scaling.md states for the pixel rule, 112 x 112 row / 4
+# against the 56 x 56 measurement: (resident set low, high), (allocator low, high)
+PIXEL_RULE = {("IResNet100", False): ((-0.20, 0.20), (0.0, 0.50)),
+              ("ViT_L_DP005_Mask005", True): ((-0.50, 0.0), (0.0, 0.50))}
+
+
+@pytest.mark.parametrize("name,recompute", list(PIXEL_RULE))
+def test_pixel_scaling_predicts_the_second_measured_size(name, recompute):
+    """The rule that sizes a large backbone's activations at another size (IResNet200's and
+    ViT-H's 112 x 112 from their 56 x 56 rows): IResNet100's and ViT-L's 112 x 112 rows scaled
+    to 56 x 56 against their 56 x 56 measurements, within the error docs/scaling.md states
+    (the allocator figure, which the GPU projections use, 0-50 % high; the resident set within
+    20 % for IResNet100, up to 50 % low for ViT-L, whose small rows carry more of a fixed
+    part). ViT-L without recompute fails it (its small points are the gradients' floor, not
+    activations: docs/scaling.md's open items), so it is not asserted."""
+    big = measured.BACKBONES[(name, 112, 112, recompute)]
+    small = measured.BACKBONES[(name, 56, 56, recompute)]
+    (rss_lo, rss_hi), (alloc_lo, alloc_hi) = PIXEL_RULE[(name, recompute)]
+    for b in (b for b in small["train_rss"] if b <= max(big["train_rss"])):
+        rule = measured.at_batch(big["train_rss"], b) / 4 / small["train_rss"][b] - 1
+        assert rss_lo <= rule <= rss_hi, (b, rule)
+        rule = measured.at_batch(big["train_alloc"], b) / 4 / small["train_alloc"][b] - 1
+        assert alloc_lo <= rule <= alloc_hi, (b, rule)
+
+
+def test_the_line_through_two_small_batches_predicts_a_third():
+    """Beyond its measured batches the planner extends the line through the last two (ViT-H's
+    2 and 4 to a training batch): ViT-L with recompute at 56 x 56, its line through batches 4
+    and 8 against its measurement at 16, within the error docs/scaling.md states (the
+    allocator figure within 15 %, the resident set up to 30 % low)."""
+    row = measured.BACKBONES[("ViT_L_DP005_Mask005", 56, 56, True)]
+    for key, (lo, hi) in (("train_alloc", (-0.15, 0.15)), ("train_rss", (-0.30, 0.10))):
+        points = row[key]
+        line = measured.at_batch({b: points[b] for b in (4, 8)}, 16)
+        assert lo <= line / points[16] - 1 <= hi, (key, line, points[16])
 
 
 def _peak(fn):

@@ -57,14 +57,15 @@ def read_verification_bin(path, decode=True):
         raise DataError(f"{path}: {len(bins)} images for {len(issame)} pairs, expected {2 * len(issame)}")
     images = [_as_bytes(b, path, i) for i, b in enumerate(bins)]
     if decode:
-        decoded = []
-        for i, b in enumerate(images):
-            try:
-                decoded.append(decode_image(b))
-            except DataError as err:
-                raise DataError(f"{path}: image {i}: {err}") from None
-        images = decoded
+        images = [_decode(b, path, i) for i, b in enumerate(images)]
     return images, issame.astype(bool)
+
+
+def _decode(encoded, path, i):
+    try:
+        return decode_image(encoded)
+    except DataError as err:
+        raise DataError(f"{path}: image {i}: {err}") from None
 
 
 def write_verification_bin(path, images, issame, ext=".jpg", quality=95):
@@ -89,9 +90,12 @@ def write_verification_bin(path, images, issame, ext=".jpg", quality=95):
 
 def load_verification_arrays(path, image_size=(112, 112), mean=127.5, std=127.5):
     """``(data, issame)``: an ``(2P, 3, H, W)`` float32 array normalised like training
-    (no flip) and the bool array."""
-    images, issame = read_verification_bin(path)
+    (no flip) and the bool array. Each image is decoded and transformed into its row in turn:
+    the pack's decoded images are never all held (a list of them and their stack held the
+    array's size twice more, freed heap the first evaluation started among)."""
+    images, issame = read_verification_bin(path, decode=False)
     transform = FaceTransform(image_size, train=False, mean=mean, std=std)
-    data = np.stack([transform.apply(img) for img in images]) if images else np.zeros((0, 3) + transform.image_size,
-                                                                                       np.float32)
+    data = np.empty((len(images), 3) + tuple(transform.image_size), np.float32)
+    for i, encoded in enumerate(images):
+        data[i] = transform.apply(_decode(encoded, path, i))
     return data, issame

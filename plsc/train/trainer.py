@@ -11,6 +11,7 @@ from .. import distributed as pd
 from ..process import cpu_setup, runtime
 from ..config import ConfigError, dump_config
 from ..kernels.cpu_kernels import finite_flag
+from ..kernels.onednn import release_scratch
 from ..data import DataError, DataLoader, DistributedBatchSampler, Prefetcher
 from ..data.sampler import FromBatch
 from ..data.tensors import to_tensor
@@ -478,4 +479,6 @@ class Trainer(Checkpointing, Stopping):
                 self.log.info(f"[{target}] best so far: the backbone of step {self.step} "
                               f"written to {kept}")
         self.eval_history.append((self.step, reports))
+        # its batch grew the convolutions' shared scratch past the steps' sizes: not kept
+        release_scratch()
         return reports

@@ -7,9 +7,9 @@ choose between these and Paddle's own ops live in `plsc.models` (`conv`, `rows`)
 """
 from .batchnorm import batchnorm_plan
 from .conv import (block, blocked_native, conv_backward, conv_forward, force_block, plan,
-                   plan_count, samples_per_call, scratch_bytes)
+                   plan_count, release_scratch, samples_per_call, scratch_bytes)
 from .library import available, version
 
-__all__ = ["available", "version", "plan", "plan_count", "scratch_bytes", "samples_per_call",
-           "conv_forward", "conv_backward", "blocked_native", "block", "force_block",
-           "batchnorm_plan"]
+__all__ = ["available", "version", "plan", "plan_count", "scratch_bytes", "release_scratch",
+           "samples_per_call", "conv_forward", "conv_backward", "blocked_native", "block",
+           "force_block", "batchnorm_plan"]
