@@ -209,7 +209,8 @@ def md(shape, tag):
 
 class Scratch:
     """Buffers of the blocked layouts a primitive reads or writes, shared by every plan: one per
-    slot (a name), grown to the largest size asked of it and kept for the process.
+    slot (a name), grown to the largest size asked of it and kept until `release` (the
+    trainer releases them after each evaluation, whose larger batch grew them).
 
     A plan's arguments are staged into these only for the duration of one call (reorder in,
     execute, reorder out), and the calls run one at a time, so the plans of a whole network
