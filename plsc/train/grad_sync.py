@@ -133,7 +133,7 @@ class OverlappedSum:
     not seen), how long this thread waited for them, and how many buckets the backward sent."""
 
     def __init__(self, params, group=None, bucket_bytes=OVERLAP_BUCKET_BYTES, dtype="float32",
-                 mode="auto"):
+                 mode="backward"):
         if dtype not in pd.WIRE_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(pd.WIRE_DTYPES)}, got {dtype!r}")
         if mode not in MODES:
