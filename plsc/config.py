@@ -260,7 +260,7 @@ SCHEMA = {
                                    "sends: float32, or float16/bfloat16 (half the bytes, as "
                                    "arcface_torch's fp16 compression hook; the sum comes back "
                                    "rounded to it)", choices=FLOAT_DTYPES),
-        "grad_sync": _k(str, "backward", "where the backbone's gradient all-reduces start: "
+        "grad_sync": _k(str, "auto", "where the backbone's gradient all-reduces start: "
                         "backward (each bucket from the backward's hooks as its gradients are "
                         "complete), thread (the hooks hand it to a communication thread: "
                         "concurrent with the backward on gloo too), after (all after the "

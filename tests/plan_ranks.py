@@ -9,7 +9,8 @@ sections; one optimizer step warms it up (the optimizer state is created), then 
 every step) run while Paddle's collective entry points (`paddle.distributed.communication.
 stream`: all_reduce, all_gather, reduce_scatter, broadcast) are wrapped to record each call's
 op, dtype and payload bytes (an all-reduce's tensor, an all-gather's input, a reduce-scatter's
-input list). Each rank reports {case: [[op, dtype, bytes], ...]} (tests/rank_report.py).
+input list). Each rank reports {case: [[op, dtype, bytes], ...]} (tests/rank_report.py), and under
+"gloo_groups" the sums of `gloo_group_sums`.
 """
 import argparse
 import os
@@ -99,7 +100,27 @@ def main():
     counter = Counter()
     report = {name: run_case(name, sections, args.data, args.out, counter)
               for name, sections in CASES.items()}
+    report["gloo_groups"] = gloo_group_sums()
     rank_report.write(report)
+
+
+def gloo_group_sums():
+    """Two more gloo groups after the trainers' (all ranks, then all but rank 0; Paddle's own
+    new_group refuses the connection here on 4 ranks): each all-reduces rank + 1; returns the
+    sums this rank saw ([all, rest or None])."""
+    import paddle
+    from plsc.distributed import all_reduce_, get_rank, get_world_size, gloo_group
+    rank, world = get_rank(), get_world_size()
+    groups = [gloo_group(), gloo_group(range(1, world))]
+    sums = []
+    for g in groups:
+        if rank not in g.ranks:
+            sums.append(None)
+            continue
+        x = paddle.to_tensor([float(rank + 1)])
+        all_reduce_(x, "sum", g)
+        sums.append(float(x.numpy()[0]))
+    return sums
 
 
 if __name__ == "__main__":

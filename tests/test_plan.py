@@ -42,6 +42,9 @@ def test_collective_payloads_equal_the_bytes_a_real_step_moves(world, data, tmp_
     done = run_ranks(os.path.join(HERE, "plan_ranks.py"), world,
                      ["--data", data, "--out", str(tmp_path)], cwd=str(tmp_path), timeout=600)
     assert done.status == 0 and all(done.reports), done.tail()
+    for rank, report in enumerate(done.reports):  # plsc.distributed.gloo_group's groups
+        rest = sum(range(2, world + 1)) if rank else None
+        assert report.pop("gloo_groups") == [world * (world + 1) / 2, rest], rank
     for name in CASES:
         predicted = plan(_case_config(data, name), world, "cpu").collectives
         want = sorted((c.op, c.dtype, c.payload) for c in predicted)

@@ -1,5 +1,7 @@
-"""The process group: initialisation, rank, world size and backend."""
+"""The process group: initialisation, rank, world size and backend; extra gloo groups."""
+import itertools
 import os
+import socket
 
 import paddle
 import paddle.distributed as dist
@@ -7,7 +9,7 @@ import paddle.distributed as dist
 from . import slurm
 
 __all__ = ["init", "is_initialized", "get_rank", "get_world_size", "get_backend", "launched_world_size",
-           "launched_rank", "barrier"]
+           "launched_rank", "barrier", "gloo_group"]
 
 
 def launched_world_size():
@@ -68,3 +70,40 @@ def barrier():
     """Wait for every rank (no-op for a world of size 1)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+_GLOO_GROUPS = itertools.count()  # every rank makes its gloo groups in the same order
+
+
+def gloo_group(ranks=None):
+    """A new gloo group of `ranks` (all by default) with connections of its own; a collective:
+    every rank calls it at the same point (also those not in `ranks`).
+
+    Paddle 3.3's gloo group rendezvouses on keys named by the bare ranks ("0", "1", ...) in the
+    job's store, so a second gloo group made over that store can read the first group's
+    addresses before its peers replace them, and fails with "connection refused" (4 ranks on
+    this machine, every time). This group rendezvouses through a store of its own, served by
+    its first rank on a free port that the job's store announces."""
+    from paddle.base import core
+    from paddle.distributed import collective
+    world = get_world_size()
+    ranks = sorted(range(world) if ranks is None else ranks)
+    key = f"plsc/gloo_group/{next(_GLOO_GROUPS)}"
+    rank, job_store = get_rank(), collective._default_store
+    store = None
+    if rank == ranks[0]:
+        host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0]
+        with socket.socket() as s:  # a port free now; the store binds it at once
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        job_store.set(key, f"{host}:{port}".encode())
+    elif rank in ranks:
+        job_store.wait(key)
+        host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
+    if rank in ranks:
+        store = core.TCPStore(host, int(port), rank == ranks[0], len(ranks))
+    collective._set_default_store(store or job_store)  # what Paddle's new_group reads
+    try:
+        return dist.new_group(ranks, backend="gloo")
+    finally:
+        collective._set_default_store(job_store)

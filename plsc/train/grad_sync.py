@@ -159,8 +159,7 @@ class OverlappedSum:
         self._times = dict.fromkeys(("ran", "waited", "hidden", "in_backward"), 0)
         world = pd.group_rank_size(group)[1]
         if world > 1 and mode == "thread":
-            import paddle.distributed as dist  # a group of the same ranks, its own connections
-            self.group = dist.new_group(group.ranks if group is not None else list(range(world)))
+            self.group = pd.gloo_group(None if group is None else group.ranks)
             self._comm = _CommThread()
         if world > 1 and mode != "after":
             for p in self.params:

@@ -225,6 +225,5 @@ def host_group(group=None):
         return group
     key = None if group is None else tuple(group.ranks)
     if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = paddle.distributed.new_group(None if group is None else list(key),
-                                                         backend="gloo")
+        _HOST_GROUPS[key] = pd.gloo_group(key)
     return _HOST_GROUPS[key]
