@@ -56,8 +56,7 @@ def test_agreement_is_a_host_tensor_over_a_gloo_group(monkeypatch):
     monkeypatch.setattr(preemption, "_HOST_GROUPS", {})
     monkeypatch.setattr(pd, "group_rank_size", lambda group=None: (1, 2))
     monkeypatch.setattr(paddle.distributed, "get_backend", lambda group=None: "NCCL")
-    monkeypatch.setattr(paddle.distributed, "new_group",
-                        lambda ranks=None, backend=None: made.append(backend) or "gloo-group")
+    monkeypatch.setattr(pd, "gloo_group", lambda ranks=None: made.append("gloo") or "gloo-group")
 
     def all_reduce_(x, op, group=None):
         reduced.append((x.place.is_cpu_place(), op, group))
