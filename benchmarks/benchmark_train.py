@@ -46,6 +46,7 @@ import sys
 import time
 
 import isa_cap
+from plsc.config import GRAD_SYNC_MODES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS = 2
@@ -289,7 +290,7 @@ def parse_args(argv):
     p.add_argument("--grad-allreduce-dtype", default="float32", choices=("float32", "float16"),
                    help="plsc's Optimizer.grad_allreduce_dtype (float32: its default; float16: "
                         "its recipe configs', as arcface_torch's compression hook)")
-    p.add_argument("--grad-sync", choices=("backward", "thread", "after"),
+    p.add_argument("--grad-sync", choices=GRAD_SYNC_MODES,
                    help="plsc's Optimizer.grad_sync (default: the config default's)")
     p.add_argument("--per-identity", type=int, default=20, help="images per identity")
     p.add_argument("--workdir", default=os.path.join(REPO, "output", "benchmark_train"),

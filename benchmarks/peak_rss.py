@@ -59,7 +59,10 @@ def main(argv=None):
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         p.error("give the command to run after --")
-    proc = subprocess.Popen(cmd)
+    try:
+        proc = subprocess.Popen(cmd)
+    except OSError as err:
+        p.error(f"cannot run {cmd[0]!r}: {err.strerror}")
     peaks = {}
     while proc.poll() is None:
         for pid in [proc.pid] + children(proc.pid):
