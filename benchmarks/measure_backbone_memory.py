@@ -30,8 +30,8 @@ Each batch is measured twice, in processes of their own: as the trainer runs (`t
 the gradients the step peaks once every gradient exists, and the figure is what the step holds
 beside them, a floor, not activations) and with the gradients kept allocated (zeroed) from the
 warm-up on (`act_rss`, `act_alloc`; `--keep-gradients` alone: the step's peak above them is its
-activations, whatever the gradients' size). The planner takes the larger of the two rules
-(`plsc.train.plan.model.step_beyond_gradients`).
+activations, whatever the gradients' size). The planner combines the two as the trainer frees
+the gradients (`plsc.train.plan.model.step_beyond_gradients`).
 
 An evaluation point runs what the trainer runs: malloc's kept blocks given back, then the
 evaluator's `plsc.embedding.embed` of random float32 images and their flips (`--eval-steps`
@@ -163,7 +163,8 @@ def measure(args):
     """The row of `args`: {"train_rss", "train_alloc", "act_rss", "act_alloc"[, "eval_rss",
     "eval_alloc"]: {batch: bytes}} and the trainable parameter count."""
     row, params = _points(args, "train", args.batch)
-    row.update(_points(args, "act", args.batch)[0])
+    if not args.keep_gradients:  # else the training points are these already
+        row.update(_points(args, "act", args.batch)[0])
     if args.eval_batch:
         row.update(_points(args, "eval", args.eval_batch)[0])
     return row, params
@@ -307,13 +308,15 @@ def parser():
     p.add_argument("--keep-gradients", action="store_true",
                    help="keep the gradients allocated between steps (zeroed) instead of freeing "
                         "them as the trainer does: the step's peak is then its activations, "
-                        "without the floor of a peak reached once every gradient exists")
+                        "without the floor of a peak reached once every gradient exists (the "
+                        "table measures both ways: act_rss, act_alloc)")
     p.add_argument("--write-table", action="store_true",
                    help="measure every entry of TABLE and write plsc/train/plan/measured_table.json")
     p.add_argument("--only", nargs="*", default=[],
                    help="with --write-table: only these backbones' entries (e.g. IResNet50)")
     p.add_argument("--match", help="with --write-table: only the entries whose arguments "
-                   "contain this text (e.g. '--image-size 56 56 --optimizer adamw --batch 4 8 16 32')")
+                   "contain this text (e.g. --match='--image-size 56 56 --optimizer adamw "
+                   "--batch 4 8 16 32')")
     p.add_argument("--missing", action="store_true",
                    help="with --write-table: only the entries the table has no row for")
     p.add_argument("--eval-only", action="store_true",

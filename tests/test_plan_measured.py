@@ -2,8 +2,10 @@
 is benchmarks/measure_backbone_memory.py's output (every row one of its entries, every backbone
 plsc ships measured with and without recompute where it has that option), the pixel scaling
 the planner applies between sizes holds as docs/scaling.md states where two sizes are
-measured, and the separate update's gradient arrays (gradient accumulation) are what Paddle's
-allocator sees a real head's optimizer step take."""
+measured, the step's rule (the larger of the activations and the gradients with one
+micro-batch, their sum with more) gives the step the trainer runs, and the separate update's
+gradient arrays (gradient accumulation) are what Paddle's allocator sees a real head's
+optimizer step take."""
 import plsc  # noqa: F401  (first: its CPU set-up before Paddle runs a product)
 import numpy as np
 import paddle
