@@ -7,7 +7,8 @@ this machine: the rows of `plsc.train.plan.measured.BACKBONES`.
 
 The second measures every entry of `TABLE` (every backbone plsc ships) and writes the planner's
 table, plsc/train/plan/measured_table.json (`--only`: those backbones' entries again, the other
-rows kept).
+rows kept; `--match=TEXT`: the entries whose arguments contain TEXT; `--train-only`,
+`--act-only`, `--eval-only`: only those points of the rows, the others kept).
 
 Each (mode, batch) runs in a process of its own (one kernel thread, as a rank of a 2-rank run
 on 2 cores, malloc keeping freed blocks as in a run and giving them back after each training
@@ -23,6 +24,14 @@ caches, is counted), and the same for Paddle's host allocator (its peak above wh
 allocated before the warm-up). The JSON line at the end gives them per
 batch size: {batch: bytes}, the planner interpolating between them (the resident set is not
 linear in the batch: malloc keeps freed blocks below 1 GiB and returns larger ones).
+
+Each batch is measured twice, in processes of their own: as the trainer runs (`train_rss`,
+`train_alloc`: the gradients freed after each step, so where the activations are smaller than
+the gradients the step peaks once every gradient exists, and the figure is what the step holds
+beside them, a floor, not activations) and with the gradients kept allocated (zeroed) from the
+warm-up on (`act_rss`, `act_alloc`; `--keep-gradients` alone: the step's peak above them is its
+activations, whatever the gradients' size). The planner combines the two as the trainer frees
+the gradients (`plsc.train.plan.model.step_beyond_gradients`).
 
 An evaluation point runs what the trainer runs: malloc's kept blocks given back, then the
 evaluator's `plsc.embedding.embed` of random float32 images and their flips (`--eval-steps`
@@ -119,13 +128,15 @@ def _reset_peaks(core):
 
 
 def _run(args, mode, batch):
-    steps = args.steps if mode == "train" else args.eval_steps
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--batch",
+    """One child process's figures; `mode` "act": a training step with the gradients kept."""
+    steps = args.eval_steps if mode == "eval" else args.steps
+    keep = args.keep_gradients or mode == "act"
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode",
+           "eval" if mode == "eval" else "train", "--batch",
            str(batch), "--backbone", args.backbone, "--image-size", *map(str, args.image_size),
            "--optimizer", args.optimizer, "--steps", str(steps),
            "--embedding-size", str(args.embedding_size)] + (["--recompute"] if args.recompute else [])
-    cmd += ([] if args.release else ["--no-release"]) + (
-        ["--keep-gradients"] if args.keep_gradients else [])
+    cmd += ([] if args.release else ["--no-release"]) + (["--keep-gradients"] if keep else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -149,9 +160,11 @@ def _points(args, mode, batches):
 
 
 def measure(args):
-    """The row of `args`: {"train_rss", "train_alloc"[, "eval_rss", "eval_alloc"]: {batch:
-    bytes}} and the trainable parameter count."""
+    """The row of `args`: {"train_rss", "train_alloc", "act_rss", "act_alloc"[, "eval_rss",
+    "eval_alloc"]: {batch: bytes}} and the trainable parameter count."""
     row, params = _points(args, "train", args.batch)
+    if not args.keep_gradients:  # else the training points are these already
+        row.update(_points(args, "act", args.batch)[0])
     if args.eval_batch:
         row.update(_points(args, "eval", args.eval_batch)[0])
     return row, params
@@ -182,7 +195,7 @@ TABLE = [
     "--backbone ViT_L_DP005_Mask005 --optimizer adamw --batch 4 8",
     "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 16 "
     "--recompute",
-    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 16",
+    "--backbone ViT_L_DP005_Mask005 --image-size 56 56 --optimizer adamw --batch 4 8 16 32",
     "--backbone MobileFaceNet --batch 16 32",
     "--backbone MobileFaceNetLarge --batch 16 32",
     "--backbone IResNet18 --batch 16 32 --eval-batch 64 128",
@@ -223,12 +236,13 @@ def _table():
     return measured.TABLE, dict(measured.BACKBONES)
 
 
-def write_table(parser, only, missing=False, eval_only=False, train_only=False):
+def write_table(parser, only, missing=False, parts=None, match=None):
     """Measure the `TABLE` entries (those of the backbones in `only`, when given; with
-    `missing`, only those the table has no row for; with `eval_only`, only the evaluation
-    points of the rows that have them; with `train_only`, only the training points, the
-    evaluation ones kept) and rewrite the table with them, keeping the other rows as they
-    were."""
+    `missing`, only those the table has no row for; with `match`, only those whose arguments
+    contain it) and rewrite the table with them, keeping
+    the other rows as they were. `parts`: only these of a row's points ("train": the
+    trainer's step, "act": the step with the gradients kept, "eval": the evaluation's, for
+    the rows that have them), its other points kept; None: the whole row."""
     import datetime
     path, rows = _table()
     machine = _machine()
@@ -236,15 +250,17 @@ def write_table(parser, only, missing=False, eval_only=False, train_only=False):
         args = parser.parse_args(entry.split())
         key = (args.backbone, *args.image_size, args.recompute)
         if (only and args.backbone not in only) or (missing and key in rows) or (
-                eval_only and not (args.eval_batch and key in rows)):
+                match and match not in entry):
             continue
-        if eval_only:
+        todo = [p for p in parts or () if p != "eval" or args.eval_batch]
+        if parts and not todo:
+            continue
+        if todo and key in rows:
             row, params = dict(rows[key]), rows[key]["params"]
-            row.update(_points(args, "eval", args.eval_batch)[0])
-        elif train_only and key in rows:
-            row = dict(rows[key])
-            points, params = _points(args, "train", args.batch)
-            row.update(points)
+            for part in todo:
+                points, params = _points(args, part, args.eval_batch if part == "eval"
+                                         else args.batch)
+                row.update(points)
         else:
             row, params = measure(args)
         rows[key] = dict(row, params=params, arguments=entry, machine=machine,
@@ -292,17 +308,24 @@ def parser():
     p.add_argument("--keep-gradients", action="store_true",
                    help="keep the gradients allocated between steps (zeroed) instead of freeing "
                         "them as the trainer does: the step's peak is then its activations, "
-                        "without the floor of a peak reached once every gradient exists")
+                        "without the floor of a peak reached once every gradient exists (the "
+                        "table measures both ways: act_rss, act_alloc)")
     p.add_argument("--write-table", action="store_true",
                    help="measure every entry of TABLE and write plsc/train/plan/measured_table.json")
     p.add_argument("--only", nargs="*", default=[],
                    help="with --write-table: only these backbones' entries (e.g. IResNet50)")
+    p.add_argument("--match", help="with --write-table: only the entries whose arguments "
+                   "contain this text (e.g. --match='--image-size 56 56 --optimizer adamw "
+                   "--batch 4 8 16 32')")
     p.add_argument("--missing", action="store_true",
                    help="with --write-table: only the entries the table has no row for")
     p.add_argument("--eval-only", action="store_true",
-                   help="with --write-table: only the evaluation points (the training ones kept)")
+                   help="with --write-table: only the evaluation points (the others kept)")
     p.add_argument("--train-only", action="store_true",
-                   help="with --write-table: only the training points (the evaluation ones kept)")
+                   help="with --write-table: only the training points (the others kept)")
+    p.add_argument("--act-only", action="store_true",
+                   help="with --write-table: only the points with the gradients kept (act_rss, "
+                        "act_alloc; the others kept)")
     p.add_argument("--child", action="store_true")
     p.add_argument("--mode", choices=("train", "eval"), default="train")
     return p
@@ -311,7 +334,9 @@ def parser():
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.write_table:
-        return write_table(parser(), args.only, args.missing, args.eval_only, args.train_only)
+        parts = {part for part, on in (("eval", args.eval_only), ("train", args.train_only),
+                                       ("act", args.act_only)) if on}
+        return write_table(parser(), args.only, args.missing, parts or None, args.match)
     if not args.backbone:
         raise SystemExit("--backbone is required (or --write-table)")
     if args.child:

@@ -15,18 +15,20 @@ is typed by hand). Each point is one process (one kernel thread, as a rank of a 
 cores, malloc keeping freed blocks and given back after each step as the trainer does after its
 first steps): at each measured batch size, a training step's peak resident memory above the
 parameters, gradients and optimizer state (`train_rss`), the same for Paddle's allocator
-(`train_alloc`: what a device allocates, float32), and where measured an evaluation's
-(`eval_rss`, `eval_alloc`: the forwards of the demo's evaluation, 1,000 images and their flips a
-rank; the median of three processes, since where malloc places the batches moves it by up to a
-quarter). Between measured batches the planner interpolates linearly, beyond them it extends the
-last segment (the resident set is not linear in the batch: malloc keeps freed blocks below 1 GiB
-and returns larger ones). The large backbones (ViT-H, IResNet200) are measured at 56 x 56 and
-scaled by the pixels to other sizes; IResNet100 and ViT-L are measured at both sizes, which
-checks that rule: IResNet100's resident set within 10 %, its allocator figure 38-43 % high;
-ViT-L with recompute 34-42 % low and 31-43 % high; without recompute its small allocator
-points are the gradients' floor and fail it (tests/test_plan_measured.py, docs/scaling.md).
-Each training point is measured after a warm-up step (the optimizer's state made, the peaks
-reset before the measured step).
+(`train_alloc`: what a device allocates, float32), both as the trainer runs (the gradients
+freed after each step: where the activations are smaller than the gradients these are the
+floor the step holds beside all its gradients, not activations), the same two with the
+gradients kept allocated between steps (`act_rss`, `act_alloc`: the activations, whatever the
+gradients' size; `model.step_beyond_gradients` combines the two), and where measured an
+evaluation's (`eval_rss`, `eval_alloc`: the forwards of the demo's evaluation, 1,000 images
+and their flips a rank; the median of three processes, since where malloc places the batches
+moves it by up to a quarter). Between measured batches the planner interpolates linearly,
+beyond them it extends the last segment (the resident set is not linear in the batch: malloc
+keeps freed blocks below 1 GiB and returns larger ones). The large backbones (ViT-H,
+IResNet200) are measured at 56 x 56 and scaled by the pixels to other sizes; IResNet100 and
+ViT-L are measured at both sizes, which checks that rule (tests/test_plan_measured.py,
+docs/scaling.md). Each training point is measured after a warm-up step (the optimizer's state
+made, the peaks reset before the measured step).
 
 With AMP on a GPU the planner takes half the float32 allocator figures: an assumption, not
 measured (Paddle's CPU kernels run float32): O1 keeps the convolutions' and matmuls' outputs,

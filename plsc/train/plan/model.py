@@ -7,6 +7,7 @@ peak resident set (RSS) of a rank, every term a computed size or a measured figu
 from Paddle's allocator (measured in float32, halved with AMP) and a CUDA context assumed.
 """
 import copy
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from .backbone import backbone_cost, forward_flops
 from .devices import profile as get_profile
 from .head import _probe_head, head_arrays_per_class, head_shape, head_workspace
 
-__all__ = ["Plan", "plan", "memory", "capacity", "fits", "predicted"]
+__all__ = ["Plan", "plan", "memory", "capacity", "fits", "predicted", "step_beyond_gradients"]
 
 
 @dataclass
@@ -73,12 +74,29 @@ class _Context:
         return out
 
 
+def step_beyond_gradients(row, figure, batch, gradients, micro_batches, scale=1.0):
+    """Bytes a training step holds beyond all the backbone's `gradients` (a term of their
+    own), from a measured `row`'s `figure` ("rss" or "alloc") at `batch`, both measured figures
+    times `scale`: the larger of the activations beyond the gradients alive beside them
+    (`act_*`, measured with the gradients kept) and what the step holds beside all of its
+    gradients once they exist (`train_*`, measured as the trainer runs). The trainer frees the
+    gradients after each optimizer step (`clear_grad(set_to_zero=False)`): with one
+    micro-batch the activations are made without them, so the step peaks at the larger of the
+    activations and the gradients (with `train_*`), not their sum; with more, the earlier
+    micro-batches' gradients are alive through the later ones' activations, which add."""
+    alive = 0 if micro_batches > 1 else gradients
+    return max(scale * measured.at_batch(row[f"act_{figure}"], batch) - alive,
+               scale * measured.at_batch(row[f"train_{figure}"], batch))
+
+
 def _activations(cfg, ctx):
     b, row = cfg["Data"]["batch_size"], ctx.row
+    step = functools.partial(step_beyond_gradients, row, batch=b,
+                             gradients=ctx.backbone.kept()["backbone gradients"],
+                             micro_batches=cfg["Optimizer"]["accumulate_steps"])
     if ctx.profile.gpu:
-        scale = 0.5 if ctx.amp else 1.0
-        return {"backbone activations": int(scale * measured.at_batch(row["train_alloc"], b))}
-    out = {"backbone activations": int(measured.at_batch(row["train_rss"], b))}
+        return {"backbone activations": int(step("alloc", scale=0.5 if ctx.amp else 1.0))}
+    out = {"backbone activations": int(step("rss"))}
     if cfg["Eval"]["targets"] and "eval_rss" in row:
         # The trainer gives malloc's kept blocks back before an evaluation, so the evaluation's
         # memory and the step's do not add: the peak is the larger of the two.
