@@ -23,11 +23,12 @@ IRESNET_DEPTHS = {
     200: (6, 26, 60, 6),
 }
 CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
-# The stem width from which the activations stay blocked (`plsc.models.blocked`): arcface_torch's
-# IResNets (64). Narrower ones stay plain: the demo's IResNetTiny (16-128 channels, 56 px)
-# trained 150 steps of `tools/train.py` in 64.6 s blocked against 55.5 s plain
-# (docs/performance.md, "IResNet50's step, primitive by primitive").
-BLOCKED_FROM_WIDTH = 64
+# The stem width from which the activations stay blocked (`plsc.models.blocked`), per block.
+# 16-channel blocks (AVX-512): arcface_torch's IResNets (64); the demo's IResNetTiny (16-128
+# channels, 56 px) stays plain (150 demo steps in 64.6 s blocked against 55.5 s plain). 8-channel
+# blocks (AVX2): from 16, IResNetTiny blocked (demo steps 278 against 299 ms under the AVX2
+# cap). docs/performance.md, "IResNet50's step, primitive by primitive" and "The demo's wall time".
+BLOCKED_FROM_WIDTH = {16: 64, 8: 16}
 
 
 def _conv(in_channels, out_channels, kernel_size, stride=1):
@@ -95,7 +96,7 @@ class IResNet(nn.Layer):
 
         self.conv1 = _conv(3, self.widths[0], 3)
         # on oneDNN, activations stay blocked from the stem to the last BatchNorm
-        self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH
+        self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH[blocked.block()]
                                    and all(w % blocked.block() == 0 for w in self.widths))
         self.bn1 = _bn(self.widths[0])
         self.prelu = PReLU(self.widths[0])
