@@ -141,7 +141,7 @@ def test_batch_norm_on_blocked_data_matches_float64(unbiased):
 
 # floats per slab of the PReLU kernels (`prelu._SLAB`): theirs; 2 of the 3 samples a slab
 # (640 floats each); under one row (a slab of rows within a sample)
-PRELU_SLABS = {"default": None, "two samples": 1280, "rows of a sample": 300}
+PRELU_SLABS = {"default": None, "two_samples": 1280, "rows_of_a_sample": 300}
 
 
 @pytest.mark.parametrize("slab", list(PRELU_SLABS))
