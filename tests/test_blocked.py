@@ -13,9 +13,10 @@ import paddle.nn.functional as F
 import pytest
 
 from plsc.kernels import onednn
-from plsc.models import IResNet, blocked, iresnet_tiny
+from plsc.models import IResNet, blocked
 from plsc.models.batchnorm import BatchNorm2D
 from plsc.models.conv import Conv2D
+from plsc.models import prelu as prelu_module
 from plsc.models.prelu import prelu
 
 EPS = 1e-5
@@ -138,8 +139,16 @@ def test_batch_norm_on_blocked_data_matches_float64(unbiased):
            1e-5, "eval dx")
 
 
+# floats per slab of the PReLU kernels (`prelu._SLAB`): theirs; 2 of the 3 samples a slab
+# (640 floats each); under one row (a slab of rows within a sample)
+PRELU_SLABS = {"default": None, "two_samples": 1280, "rows_of_a_sample": 300}
+
+
+@pytest.mark.parametrize("slab", list(PRELU_SLABS))
 @pytest.mark.parametrize("slopes", [32, 1, "outside"])
-def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes):
+def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes, slab, monkeypatch):
+    if PRELU_SLABS[slab]:
+        monkeypatch.setattr(prelu_module, "_SLAB", PRELU_SLABS[slab])
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 32, 4, 5)).astype(np.float32)
     g = rng.standard_normal(x.shape).astype(np.float32)
@@ -222,10 +231,13 @@ def _train_and_eval(model, x, r):
     return y.numpy(), grads, stats, e
 
 
-def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
+@pytest.mark.parametrize("widths", [(64, 64, 128, 128), (16, 32, 64, 128)])
+def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels, widths):
+    """The second widths are IResNetTiny's, blocked by hand (`emit_blocked`): narrow 8- and
+    16-channel blocks take the same path."""
     paddle.seed(6)
-    model = IResNet((1, 1, 1, 1), widths=(64, 64, 128, 128), input_size=(32, 32),
-                    embedding_size=32)
+    model = IResNet((1, 1, 1, 1), widths=widths, input_size=(32, 32), embedding_size=32)
+    model.conv1.emit_blocked = True
     seen = []
     model.layer2[0].register_forward_post_hook(
         lambda layer, inputs, out: seen.append(out.shape[4] if out.ndim == 5 else 0))
@@ -256,13 +268,23 @@ def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels):
     _close(got[3], want[3], 1e-5, "evaluation")
 
 
-def test_narrow_iresnets_stay_plain():
-    """Below a stem of 64 channels (the demo's IResNetTiny) nothing is blocked."""
-    model = iresnet_tiny(input_size=(32, 32), embedding_size=32)
-    seen = []
-    model.layer2[0].register_forward_post_hook(lambda layer, inputs, out: seen.append(out.ndim))
-    model(paddle.randn([2, 3, 32, 32]))
-    assert not model.conv1.emit_blocked and seen == [4]
+@pytest.mark.parametrize("size", [16, 8])
+def test_narrow_stems_stay_plain(size):
+    """Below a stem of 64 channels (the demo's IResNetTiny, 16) nothing is blocked, in blocks of
+    16 and of 8 (AVX2: faster, but the demo's result changes; docs/performance.md)."""
+    if not onednn.available():
+        pytest.skip("no oneDNN")
+    onednn.force_block(size)
+    try:
+        for widths, want in (((16, 32, 64, 128), False), ((64, 64, 128, 128), True)):
+            model = IResNet((1, 1, 1, 1), widths=widths, input_size=(32, 32), embedding_size=32)
+            seen = []
+            model.layer2[0].register_forward_post_hook(
+                lambda layer, inputs, out: seen.append(out.ndim))
+            model(paddle.randn([2, 3, 32, 32]))
+            assert (model.conv1.emit_blocked, seen) == (want, [5 if want else 4]), widths
+    finally:
+        onednn.force_block(None)
 
 
 @pytest.fixture
