@@ -23,13 +23,14 @@ IRESNET_DEPTHS = {
     200: (6, 26, 60, 6),
 }
 CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
-# The stem width from which the activations stay blocked (`plsc.models.blocked`), per block:
-# arcface_torch's IResNets (64). The demo's IResNetTiny (16-128 channels, 56 px) stays plain:
-# in 16-channel blocks 150 demo steps took 64.6 s blocked against 55.5 s plain; in 8-channel
-# blocks (AVX2) its demo steps are 7-10 % faster blocked, but oneDNN's BatchNorm rounds
-# otherwise and the demo's held-out accuracy under the AVX2 cap went from 0.965 to 0.963
-# (docs/performance.md, "IResNet50's step, primitive by primitive", "The demo's wall time").
-BLOCKED_FROM_WIDTH = {16: 64, 8: 64}
+# The stem width from which the activations stay blocked (`plsc.models.blocked`), per block.
+# 16-channel blocks (AVX-512): arcface_torch's IResNets (64); the demo's IResNetTiny (16-128
+# channels, 56 px) stays plain (150 demo steps in 64.6 s blocked against 55.5 s plain). 8-channel
+# blocks (AVX2): from 16, IResNetTiny blocked (demo steps 278 against 299 ms under the AVX2
+# cap; its BatchNorm then oneDNN's, which rounds otherwise: the demo's accuracy there 0.963
+# against 0.965 plain). docs/performance.md, "IResNet50's step, primitive by primitive" and
+# "The demo's wall time".
+BLOCKED_FROM_WIDTH = {16: 64, 8: 16}
 
 
 def _conv(in_channels, out_channels, kernel_size, stride=1):
