@@ -74,6 +74,22 @@ def test_auto_is_the_thread_on_the_cpu_and_the_hooks_on_a_gpu():
     assert OverlappedSum(paddle.nn.Linear(2, 2).parameters(), mode="auto").mode == "thread"
 
 
+def test_the_thread_group_has_the_jobs_backend(monkeypatch):
+    """`thread` sums on a group of its own: through `gloo_group` (a store of its own) on gloo,
+    Paddle's `new_group` of the job's backend on NCCL (a GPU's tensors)."""
+    from plsc.train import grad_sync
+    made = []
+    monkeypatch.setattr(grad_sync.pd, "group_rank_size", lambda group=None: (0, 2))
+    monkeypatch.setattr(grad_sync.pd, "gloo_group", lambda ranks=None: made.append(ranks) or "own")
+    monkeypatch.setattr(paddle.distributed, "new_group",
+                        lambda ranks=None: made.append(ranks) or "nccl")
+    for backend, want in (("GLOO", "own"), ("NCCL", "nccl")):
+        made.clear()
+        monkeypatch.setattr(grad_sync.pd, "get_backend", lambda: backend)
+        summed = OverlappedSum(paddle.nn.Linear(2, 2).parameters(), mode="thread")
+        assert summed.group == want and made == [None], backend
+
+
 @pytest.mark.parametrize("how", ["overlapped", "after"])
 @pytest.mark.parametrize("wire", ["float16", "bfloat16", "float32"])
 def test_one_rank_rounds_the_gradients_as_a_one_rank_all_reduce(how, wire):

@@ -159,7 +159,9 @@ class OverlappedSum:
         self._times = dict.fromkeys(("ran", "waited", "hidden", "in_backward"), 0)
         world = pd.group_rank_size(group)[1]
         if world > 1 and mode == "thread":
-            self.group = pd.gloo_group(None if group is None else group.ranks)
+            ranks = None if group is None else group.ranks  # the same ranks, own connections
+            self.group = (pd.gloo_group(ranks) if str(pd.get_backend()).lower() == "gloo"
+                          else paddle.distributed.new_group(ranks))
             self._comm = _CommThread()
         if world > 1 and mode != "after":
             for p in self.params:
