@@ -14,6 +14,7 @@ input list). Each rank reports {case: [[op, dtype, bytes], ...]} (tests/rank_rep
 """
 import argparse
 import os
+import time
 
 import numpy as np
 
@@ -105,12 +106,14 @@ def main():
 
 
 def gloo_group_sums():
-    """Two more gloo groups after the trainers' (all ranks, then all but rank 0; Paddle's own
-    new_group refuses the connection here on 4 ranks): each all-reduces rank + 1; returns the
-    sums this rank saw ([all, rest or None])."""
+    """Two more gloo groups after the trainers' (all ranks, rank 0 coming late, then all but
+    rank 0; Paddle's own new_group refuses the connection here): each all-reduces rank + 1;
+    returns the sums this rank saw ([all, rest or None])."""
     import paddle
     from plsc.distributed import all_reduce_, get_rank, get_world_size, gloo_group
     rank, world = get_rank(), get_world_size()
+    if rank == 0:  # late, so that the others read its rendezvous key first: over the job's
+        time.sleep(1.0)  # store they would find the last group's (connection refused)
     groups = [gloo_group(), gloo_group(range(1, world))]
     sums = []
     for g in groups:
