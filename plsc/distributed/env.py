@@ -82,8 +82,8 @@ def gloo_group(ranks=None):
     Paddle 3.3's gloo group rendezvouses on keys named by the bare ranks ("0", "1", ...) in the
     job's store, so a second gloo group made over that store can read the first group's
     addresses before its peers replace them and fail ("connection refused", an address of the
-    wrong size, a timeout: on 4 ranks here whenever a rank comes late). This group rendezvouses through a store of its own, served by
-    its first rank on a free port that the job's store announces."""
+    wrong size, a timeout; seen on 4 ranks here). This group rendezvouses through a store of
+    its own, served by its first rank on a free port that the job's store announces."""
     from paddle.base import core
     from paddle.distributed import collective
     world = get_world_size()
