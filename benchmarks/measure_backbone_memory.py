@@ -246,11 +246,16 @@ def write_table(parser, only, missing=False, parts=None, match=None):
     import datetime
     path, rows = _table()
     machine = _machine()
-    for entry in TABLE:
-        args = parser.parse_args(entry.split())
+    picked = [(e, parser.parse_args(e.split())) for e in TABLE if not match or match in e]
+    picked = [(e, a) for e, a in picked if not only or a.backbone in only]
+    if not picked:  # a misspelt backbone or text would otherwise measure nothing, silently
+        asked = ([f"--only {' '.join(only)}"] if only else []) + (
+            [f"--match {match!r}"] if match else [])
+        parser.error(f"no TABLE entry has {' and '.join(asked)}: see the TABLE in "
+                     f"{os.path.relpath(__file__)}")
+    for entry, args in picked:
         key = (args.backbone, *args.image_size, args.recompute)
-        if (only and args.backbone not in only) or (missing and key in rows) or (
-                match and match not in entry):
+        if missing and key in rows:
             continue
         todo = [p for p in parts or () if p != "eval" or args.eval_batch]
         if parts and not todo:
