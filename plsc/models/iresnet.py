@@ -27,8 +27,8 @@ CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
 # 8-channel blocks alike: arcface_torch's IResNets (64) and the demo's IResNetTiny (16-128
 # channels, 56 px; 2-rank demo steps of 251-266 ms blocked against 325-329 ms plain with
 # AVX-512, since PReLU runs on oneDNN). Its BatchNorm is then oneDNN's, which rounds otherwise
-# than Paddle's. docs/performance.md, "IResNet50's step, primitive by primitive" and "The
-# demo's wall time".
+# than Paddle's. A stem of 8 stays plain. docs/performance.md, "IResNet50's step, primitive by
+# primitive", "The demo's wall time" and "PReLU on oneDNN".
 BLOCKED_FROM_WIDTH = 16
 
 

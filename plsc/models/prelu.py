@@ -9,8 +9,8 @@ oneDNN's PReLU (`plsc.kernels.onednn.prelu`), on the tensors' own memory:
     forward   y = x if x > 0 else a·x
     backward  dx = dy if x > 0 else a·dy,    da = Σ dy·x over the x ≤ 0, per channel
 
-`y` and `dx` equal Paddle's kernel bit for bit, for any slopes; `da` is the same sum in another
-order, which does not depend on the thread count. Other inputs (other devices or dtypes,
+`y` and `dx` equal Paddle's kernel for any slopes (a zero product may be +0 where Paddle's is
+-0); `da` is the same sum in another order, which does not depend on the thread count. Other inputs (other devices or dtypes,
 channels-last, ``PLSC_KERNELS=device``), static graphs (export) and a process whose oneDNN did
 not load use `paddle.nn.functional.prelu`.
 """
