@@ -15,7 +15,7 @@ Kernels (plsc's CPU kernel set; torch's ops of arcface_torch's layers):
 - split_heads of qkv [32, 144, 768] into 8 heads, q scaled: `plsc.models.heads.split_heads`
   (numpy copies), torch's reshape, permute, unbind and `q * scale` (views; the scale copies);
 - prelu over [32, 64, 56, 56] (IResNet18's second stage, plain NCHW): `plsc.models.prelu`
-  (numpy), `torch.nn.functional.prelu`.
+  (oneDNN), `torch.nn.functional.prelu`.
 The upstream gradients are random and fixed; best of --steps calls after 2 warm-ups. Each
 (round, cap, side) is a fresh process started with the cap's environment
 (benchmarks/isa_cap.py), the caps and sides alternated within each round; the figures are the

@@ -139,26 +139,23 @@ def test_batch_norm_on_blocked_data_matches_float64(unbiased):
            1e-5, "eval dx")
 
 
-# floats per slab of the PReLU kernels (`prelu._SLAB`): theirs; 2 of the 3 samples a slab
-# (640 floats each); under one row (a slab of rows within a sample)
-PRELU_SLABS = {"default": None, "two_samples": 1280, "rows_of_a_sample": 300}
-
-
-@pytest.mark.parametrize("slab", list(PRELU_SLABS))
 @pytest.mark.parametrize("slopes", [32, 1, "outside"])
-def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes, slab, monkeypatch):
-    if PRELU_SLABS[slab]:
-        monkeypatch.setattr(prelu_module, "_SLAB", PRELU_SLABS[slab])
+def test_prelu_on_blocked_data_matches_float64_and_paddle(slopes, monkeypatch):
+    plans = []
+    real_plan = prelu_module.onednn.prelu_plan
+    monkeypatch.setattr(prelu_module.onednn, "prelu_plan",
+                        lambda *args: plans.append(args) or real_plan(*args))
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 32, 4, 5)).astype(np.float32)
     g = rng.standard_normal(x.shape).astype(np.float32)
     a = rng.uniform(0, 1, 1 if slopes == 1 else 32).astype(np.float32)
     if slopes == "outside":
-        a[3] = 1.5  # not the numpy kernels' range: Paddle's op on the plain layout
+        a[3], a[4] = 1.5, -0.5  # oneDNN's kernels take any slope
     xb = paddle.to_tensor(_to_blocked(x), stop_gradient=False)
     ab = paddle.to_tensor(a, stop_gradient=False)
     y = prelu(xb, ab)
     assert y.shape == [3, 32 // blocked.block(), 4, 5, blocked.block()]
+    assert plans == [([3, 32, 4, 5], a.size, blocked.block())]  # oneDNN's, on the blocks
     y.backward(paddle.to_tensor(_to_blocked(g)))
     xp = paddle.to_tensor(x, stop_gradient=False)
     ap = paddle.to_tensor(a, stop_gradient=False)
@@ -233,8 +230,8 @@ def _train_and_eval(model, x, r):
 
 @pytest.mark.parametrize("widths", [(64, 64, 128, 128), (16, 32, 64, 128)])
 def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels, widths):
-    """Blocked where the stem is wide enough for the block (`test_narrow_stems_stay_plain`):
-    IResNetTiny's widths only with 8-channel blocks (AVX2)."""
+    """Blocked where the stem is wide enough (`test_narrow_stems_stay_plain`): IResNetTiny's
+    widths too, in either block."""
     paddle.seed(6)
     model = IResNet((1, 1, 1, 1), widths=widths, input_size=(32, 32), embedding_size=32)
     seen = []
@@ -245,7 +242,7 @@ def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels, wid
     r = paddle.to_tensor(np.random.default_rng(8).standard_normal((4, 32)).astype("float32"))
     got = _train_and_eval(model, x, r)
     native = (kernels == "cpu" and onednn.blocked_native()
-              and widths[0] >= iresnet.BLOCKED_FROM_WIDTH[blocked.block()])
+              and widths[0] >= iresnet.BLOCKED_FROM_WIDTH)
     size = blocked.block()  # blocked in its blocks, for the training and the evaluation forward
     assert seen == ([size, size] if native else [0, 0])
     if not native:
@@ -270,14 +267,14 @@ def test_iresnet_keeps_activations_blocked_and_equals_its_plain_run(kernels, wid
 
 @pytest.mark.parametrize("size", [16, 8])
 def test_narrow_stems_stay_plain(size):
-    """With 16-channel blocks, below a stem of 64 channels (the demo's IResNetTiny, 16) nothing
-    is blocked; with 8-channel blocks (AVX2) from a stem of 16 on: IResNetTiny is blocked, a
-    stem of 8 is not (the thresholds are docs/performance.md's measurements, written here)."""
+    """In 16- and 8-channel blocks alike, from a stem of 16 channels on: IResNetTiny is
+    blocked, a stem of 8 is not (the threshold is docs/performance.md's measurement, written
+    here)."""
     if not onednn.available():
         pytest.skip("no oneDNN")
     onednn.force_block(size)
     try:
-        for widths, want in (((16, 32, 64, 128), size == 8), ((8, 16, 32, 64), False)):
+        for widths, want in (((16, 32, 64, 128), True), ((8, 16, 32, 64), False)):
             model = IResNet((1, 1, 1, 1), widths=widths, input_size=(32, 32), embedding_size=32)
             seen = []
             model.layer2[0].register_forward_post_hook(

@@ -153,8 +153,7 @@ def test_no_numpy_kernel_runs_on_the_device_set(monkeypatch):
     def refuse(t):
         raise AssertionError("a numpy kernel ran on the device set")
     import plsc.storage.int8
-    import plsc.models.prelu
-    for mod in (cpu_kernels, ps, plsc.storage.int8, plsc.models.prelu):
+    for mod in (cpu_kernels, ps, plsc.storage.int8):
         monkeypatch.setattr(mod, "as_numpy", refuse)
     for dtype in ("float32", "bfloat16", "int8"):
         for kw in (dict(ratio=0.1), dict(chunk=64), dict()):
@@ -274,16 +273,15 @@ def test_remove_row_components_device_equals_numpy(monkeypatch):
 
 
 def test_prelu_takes_paddles_op_on_the_device_set(monkeypatch):
-    """`plsc.models.prelu` asks the kernel switch: with PLSC_KERNELS=device its numpy kernel
-    (and the host read of the slopes that guards it) is not used, and the result is Paddle's."""
+    """`plsc.models.prelu` asks the kernel switch: with PLSC_KERNELS=device oneDNN's PReLU
+    is not used, and the result is Paddle's."""
     from plsc.models import prelu as pr
     x = paddle.randn([2, 3, 4, 4])
     a = paddle.to_tensor([0.25, 0.5, 0.1])
     monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "auto")
-    assert pr._fast_ok(x, a, "NCHW")  # the CPU set would take the numpy kernel
+    assert pr._onednn_ok(x, a, "NCHW", False)  # the CPU set would take oneDNN's kernel
     monkeypatch.setenv(cpu_kernels.KERNELS_ENV, "device")
-    monkeypatch.setattr(pr._FastPReLU, "apply", lambda *args: pytest.fail("numpy PReLU ran"))
-    monkeypatch.setattr(paddle.Tensor, "numpy", lambda self: pytest.fail("host read"))
+    monkeypatch.setattr(pr._OneDNNPReLU, "apply", lambda *args: pytest.fail("oneDNN PReLU ran"))
     got = pr.prelu(x, a)
     monkeypatch.undo()
     np.testing.assert_array_equal(got.numpy(),

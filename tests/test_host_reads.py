@@ -4,9 +4,7 @@ data (on a GPU either waits for the queue to drain), on both kernel sets.
 Counted (tests/host_reads.py) between the end of step 1 and the end of step 2 of a run: the
 batch fetch, the stop agreement, the forward, backward and update, the log line. Not counted:
 tensors that live on the host on any device (Partial FC's step counter; the stop agreement's
-flag, a CPU tensor all-reduced over a gloo group, `preemption.host_group`), and on the CPU set
-the numpy kernels' own views (`plsc/models/prelu.py`'s fast path runs only where
-`cpu_kernels.cpu_set` holds, never on a device).
+flag, a CPU tensor all-reduced over a gloo group, `preemption.host_group`).
 """
 
 import paddle
@@ -18,7 +16,6 @@ from plsc.kernels.cpu_kernels import KERNELS_ENV
 from plsc.train import Trainer
 from plsc.train.amp import LossScaler
 
-CPU_SET_ONLY = ("plsc/models/prelu.py",)
 HOST_FLAG = ("plsc/train/preemption.py", " agree")
 
 CASES = {
@@ -54,10 +51,8 @@ def step_two(data_root, out, kernels, case):
     trainer = Trainer(cfg)
     if "fp16scaler" in case:  # AMP float16's loss scaler (its device check rides in the read)
         trainer.scaler = LossScaler(True, init_scale=1024.0)
-    skip_cpu = kernels != "device"
     counter = HostReads(host=[trainer.head.sample_step],
-                        skip=lambda caller: (HOST_FLAG[0] in caller and HOST_FLAG[1] in caller)
-                        or (skip_cpu and caller.startswith(CPU_SET_ONLY)))
+                        skip=lambda caller: HOST_FLAG[0] in caller and HOST_FLAG[1] in caller)
     counter.active = False
     real = trainer._after_step
 

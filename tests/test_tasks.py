@@ -95,7 +95,9 @@ def test_extract_writes_embeddings_and_labels(run, tmp_path):
     model = run["trainer"].backbone
     model.eval()
     first = model(paddle.to_tensor(np.stack([ds[i][0] for i in range(4)]))).numpy()
-    np.testing.assert_allclose(emb[:4], first, rtol=1e-5, atol=1e-5)
+    # another batch and thread count: oneDNN's blocked kernels sum in another order, so the
+    # error is measured against the embeddings' scale (up to ~150 here), as the export's above
+    assert rel_err(emb[:4], first) < 1e-5
 
 
 def pack_accuracies(model, path):

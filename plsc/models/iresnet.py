@@ -23,14 +23,13 @@ IRESNET_DEPTHS = {
     200: (6, 26, 60, 6),
 }
 CONV_STD = 0.1  # insightface draws every IResNet conv weight from N(0, 0.1^2)
-# The stem width from which the activations stay blocked (`plsc.models.blocked`), per block.
-# 16-channel blocks (AVX-512): arcface_torch's IResNets (64); the demo's IResNetTiny (16-128
-# channels, 56 px) stays plain (150 demo steps in 64.6 s blocked against 55.5 s plain). 8-channel
-# blocks (AVX2): from 16, IResNetTiny blocked (demo steps 278 against 299 ms under the AVX2
-# cap; its BatchNorm then oneDNN's, which rounds otherwise: the demo's accuracy there 0.963
-# against 0.965 plain). docs/performance.md, "IResNet50's step, primitive by primitive" and
-# "The demo's wall time".
-BLOCKED_FROM_WIDTH = {16: 64, 8: 16}
+# The stem width from which the activations stay blocked (`plsc.models.blocked`), in 16- or
+# 8-channel blocks alike: arcface_torch's IResNets (64) and the demo's IResNetTiny (16-128
+# channels, 56 px; 2-rank demo steps of 251-266 ms blocked against 325-329 ms plain with
+# AVX-512, since PReLU runs on oneDNN). Its BatchNorm is then oneDNN's, which rounds otherwise
+# than Paddle's. A stem of 8 stays plain. docs/performance.md, "IResNet50's step, primitive by
+# primitive", "The demo's wall time" and "PReLU on oneDNN".
+BLOCKED_FROM_WIDTH = 16
 
 
 def _conv(in_channels, out_channels, kernel_size, stride=1):
@@ -98,7 +97,7 @@ class IResNet(nn.Layer):
 
         self.conv1 = _conv(3, self.widths[0], 3)
         # on oneDNN, activations stay blocked from the stem to the last BatchNorm
-        self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH[blocked.block()]
+        self.conv1.emit_blocked = (self.widths[0] >= BLOCKED_FROM_WIDTH
                                    and all(w % blocked.block() == 0 for w in self.widths))
         self.bn1 = _bn(self.widths[0])
         self.prelu = PReLU(self.widths[0])

@@ -1,154 +1,85 @@
-"""PReLU whose CPU kernels are several times faster than Paddle 3.3's, with the same results.
+"""PReLU on oneDNN's kernels on the CPU kernel set, Paddle's `prelu` otherwise.
 
 Paddle 3.3's CPU prelu is a scalar loop on one thread, a large share of an IResNet training step
-on the CPU (timings: docs/performance.md, "plsc's own CPU kernels, measured"). Here, on float32
-CPU tensors whose slopes all lie in [0, 1] (the init is 0.25), the work is done by numpy on the
-tensors' own memory (DLPack, no copy), in slabs of rows that stay in cache, split over the
-rank's CPU threads:
+on the CPU (timings: docs/performance.md, "plsc's own CPU kernels, measured"). Here a float32
+CPU tensor with its channels on axis 1 (plain [N, C, ...], or a blocked activation of
+`plsc.models.blocked`, which stays blocked) and one slope per channel or one for all runs on
+oneDNN's PReLU (`plsc.kernels.onednn.prelu`), on the tensors' own memory:
 
-    forward   y = max(x, a·x)                       (= x if x > 0 else a·x, for 0 ≤ a ≤ 1)
-    backward  dx = g·s,  s = max([x > 0], a)         (s is exactly 1 or a for 0 ≤ a ≤ 1)
-              da = Σ g·min(x, 0)   over batch and space, per channel
+    forward   y = x if x > 0 else a·x
+    backward  dx = dy if x > 0 else a·dy,    da = Σ dy·x over the x ≤ 0, per channel
 
-`y` and `dx` equal Paddle's kernel bit for bit; `da` is the same sum in another order (each
-row of the flattened [N·C, H·W] input is summed whole by one thread, then the rows in a fixed
-order, so it does not depend on the thread count). Other inputs (other devices, 16-bit,
-channels-last, a slope outside [0, 1]) and static graphs (export) use
-`paddle.nn.functional.prelu`.
+`y` and `dx` equal Paddle's kernel for any slopes (a zero product may be +0 where Paddle's is
+-0); `da` is the same sum in another order, which does not depend on the thread count. Other inputs (other devices or dtypes,
+channels-last, ``PLSC_KERNELS=device``), static graphs (export) and a process whose oneDNN did
+not load use `paddle.nn.functional.prelu`.
 """
-import functools
+import math
 
-import numpy as np
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
 
 from . import blocked
-from ..kernels.cpu_kernels import applies, as_numpy, run_rows
+from ..kernels import onednn
+from ..kernels.cpu_kernels import applies
 
 __all__ = ["PReLU", "prelu"]
 
-_SLAB = 64 << 10  # floats per slab (256 KiB): a slab's temporaries stay in the core's L2
+_CHANNELS_FIRST = ("NCHW", "NCL", "NC", "NCDHW")
 
 
-def _rows(t, lanes):
-    """`t` ([N, C, ...]) as a numpy [N·C, rest] view of its memory; a blocked activation
-    (`lanes`: [N, C/B, H, W, B], `plsc.models.blocked`) as [N·C/B, H·W, B]."""
+def _plan(x, slope, lanes):
+    """The oneDNN plan of `x`: a blocked activation as its logical [N, C, H, W] in blocks,
+    a plain [N, C, ...] as [N, C, rest, 1]."""
     if lanes:
-        return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1, t.shape[-1])
-    return as_numpy(t).reshape(t.shape[0] * t.shape[1], -1)
+        return onednn.prelu_plan(blocked.logical_shape(x), slope.size, blocked.block())
+    n, c = int(x.shape[0]), int(x.shape[1])
+    rest = math.prod(int(d) for d in x.shape[2:])
+    return onednn.prelu_plan((n, c, rest, 1), slope.size)
 
 
-def _run(fn, rows, group=1):
-    """fn(lo, hi, tmp) over slabs of whole rows of `rows`; tmp: a float32 scratch shaped as
-    rows[lo:hi]. With `group`, a slab is whole groups of `group` rows or lies within one
-    group (its row count then divides `group`)."""
-    rest = rows.shape[1:]
-    step = max(1, _SLAB // max(1, int(np.prod(rest))))
-    step = step - step % group if step >= group else max(
-        d for d in range(1, step + 1) if group % d == 0)
-
-    def slab(lo, hi):
-        fn(lo, hi, np.empty((hi - lo,) + rest, np.float32))
-    run_rows(slab, rows.shape[0], step)
-
-
-@functools.lru_cache(maxsize=8)
-def _zeros(*shape):
-    """A read-only float32 zero slab: numpy compares with an array several times faster than
-    with a scalar (2.4: 12 against 24 µs a 256 KiB slab)."""
-    out = np.zeros(shape, np.float32)
-    out.flags.writeable = False
-    return out
-
-
-def _row_slopes(slope, x, lanes):
-    """The slopes of every row of `_rows(x, lanes)`, shaped to broadcast against it: per
-    channel, or the one shared slope. A blocked `x` gets `_Lanes`."""
-    a = slope.numpy().astype(np.float32).reshape(-1)
-    if lanes:
-        return _Lanes(a, x)
-    return np.tile(a if a.size == x.shape[1] else np.repeat(a, x.shape[1]), x.shape[0])[:, None]
-
-
-class _Lanes:
-    """The slopes of a blocked activation as one sample's worth of them, written out
-    ([C/B, H·W, B], contiguous): numpy broadcasts it over whole samples with long inner loops,
-    where slopes shaped [rows, 1, B] gave it loops of B floats (3.11 against 1.28 ms for
-    IResNetTiny's stem, [64, 2, 56·56, 8] under the AVX2 cap)."""
-
-    def __init__(self, a, x):
-        b = x.shape[-1]  # channels a block holds
-        self.group = x.shape[1]  # rows of one sample
-        a = np.broadcast_to(a, (self.group * b,)).reshape(self.group, 1, b)
-        self.pattern = np.ascontiguousarray(
-            np.broadcast_to(a, (self.group, _rows(x, True).shape[1], b)))
-
-    def at(self, lo, hi):
-        """The shape rows[lo:hi] take to broadcast against their slopes, and those slopes:
-        whole samples as [k, C/B, H·W, B], rows of one sample as [1, hi-lo, H·W, B]."""
-        g = self.group
-        if lo % g == 0 and (hi - lo) % g == 0:
-            return (-1,) + self.pattern.shape, self.pattern
-        return (1, hi - lo) + self.pattern.shape[1:], self.pattern[lo % g:lo % g + hi - lo]
-
-
-class _FastPReLU(PyLayer):
+class _OneDNNPReLU(PyLayer):
     @staticmethod
     def forward(ctx, x, slope, lanes):
-        out = paddle.empty(x.shape, dtype=x.dtype)
-        xr, yr, a = _rows(x, lanes), _rows(out, lanes), _row_slopes(slope, x, lanes)
-
-        def fwd(lo, hi, _):
-            shape, slopes = a.at(lo, hi) if lanes else (xr[lo:hi].shape, a[lo:hi])
-            xs, ys = xr[lo:hi].reshape(shape), yr[lo:hi].reshape(shape)
-            np.multiply(xs, slopes, out=ys)
-            np.maximum(ys, xs, out=ys)
-        _run(fwd, xr, a.group if lanes else 1)
+        plan = _plan(x, slope, lanes)
+        y = paddle.empty(x.shape, dtype=paddle.float32)
+        plan.forward(x.data_ptr(), slope.data_ptr(), y.data_ptr())
         ctx.save_for_backward(x, slope)
-        ctx.lanes = lanes
-        return out
+        ctx.plan = plan
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, slope = ctx.saved_tensor()
-        d_x = paddle.empty(x.shape, dtype=x.dtype)
-        lanes = ctx.lanes
-        xr, gr, dr = _rows(x, lanes), _rows(grad, lanes), _rows(d_x, lanes)
-        a = _row_slopes(slope, x, lanes)
-        row_sums = np.empty(xr.shape[:1] + xr.shape[2:], np.float32)  # a row's (lanes') sums
-        sums = "ri,ri->r" if xr.ndim == 2 else "rpl,rpl->rl"
-
-        def bwd(lo, hi, tmp):
-            xs, gs = xr[lo:hi], gr[lo:hi]
-            np.greater(xs, np.float32(0), out=tmp, casting="unsafe")
-            shape, slopes = a.at(lo, hi) if lanes else (tmp.shape, a[lo:hi])
-            t = tmp.reshape(shape)
-            np.maximum(t, slopes, out=t)  # 1 where x > 0, else a
-            np.multiply(gs.reshape(shape), t, out=dr[lo:hi].reshape(shape))
-            np.minimum(xs, _zeros(*tmp.shape), out=tmp)
-            np.einsum(sums, gs, tmp, out=row_sums[lo:hi])
-        _run(bwd, xr, a.group if lanes else 1)
-        per_channel = row_sums.reshape(x.shape[0], -1).sum(axis=0)
-        d_slope = per_channel if slope.size > 1 else per_channel.sum(keepdims=True)
-        return d_x, paddle.to_tensor(d_slope.reshape(slope.shape), dtype=slope.dtype)
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        d_x = paddle.empty(x.shape, dtype=paddle.float32)
+        d_slope = paddle.empty(slope.shape, dtype=paddle.float32)
+        ctx.plan.backward(x.data_ptr(), slope.data_ptr(), grad.data_ptr(), d_x.data_ptr(),
+                          d_slope.data_ptr())
+        return d_x, d_slope
 
 
-def _fast_ok(x, slope, data_format):
+def _onednn_ok(x, slope, data_format, lanes):
+    """True when this call runs on oneDNN's kernels (see the module docstring)."""
     if not (paddle.in_dynamic_mode() and applies(x, slope) and x.ndim >= 2
-            and data_format in ("NCHW", "NCL", "NC", "NCDHW")):
+            and data_format in _CHANNELS_FIRST and onednn.available()):
         return False
-    a = slope.numpy()
-    return bool(np.all((a >= 0) & (a <= 1)))
+    channels = blocked.logical_shape(x)[1] if lanes else int(x.shape[1])
+    return slope.size in (1, channels)
+
+
+def _dense(t):
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def prelu(x, slope, data_format="NCHW"):
-    """`paddle.nn.functional.prelu(x, slope, data_format)`, on the fast CPU kernels when they
+    """`paddle.nn.functional.prelu(x, slope, data_format)`, on oneDNN's kernels when they
     apply (see the module's docstring); a blocked activation (`plsc.models.blocked`, NCHW)
     stays blocked."""
     lanes = data_format == "NCHW" and blocked.is_blocked(x)
-    if _fast_ok(x, slope, data_format):
-        return _FastPReLU.apply(x if x.is_contiguous() else x.contiguous(), slope, lanes)
+    if _onednn_ok(x, slope, data_format, lanes):
+        return _OneDNNPReLU.apply(_dense(x), _dense(slope), lanes)
     if lanes:
         return blocked.to_blocked(paddle.nn.functional.prelu(blocked.to_plain(x), slope))
     return paddle.nn.functional.prelu(x, slope, data_format=data_format)

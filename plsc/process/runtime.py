@@ -97,7 +97,7 @@ def blas_dispatch(environ=os.environ, cpu=None):
 
 
 def kernel_threads():
-    """Threads of plsc's own CPU kernels (`plsc.kernels.cpu_kernels`, e.g. `plsc.models.prelu`'s):
+    """Threads of plsc's own numpy CPU kernels (`plsc.kernels.cpu_kernels`, e.g. the head's):
     those `set_cpu_threads` gave Paddle, 1 before it is called (Paddle's own default)."""
     from ..kernels import cpu_kernels
     return cpu_kernels.threads()

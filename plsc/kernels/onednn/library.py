@@ -96,6 +96,10 @@ def _declare(lib):
         "dnnl_eltwise_backward_primitive_desc_create": [
             ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, ctypes.c_float, ctypes.c_float,
             vp, vp],
+        "dnnl_prelu_forward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, ctypes.c_int, vp, vp, vp, vp],
+        "dnnl_prelu_backward_primitive_desc_create": [
+            ctypes.POINTER(vp), vp, vp, vp, vp, vp, vp, vp, vp],
         "dnnl_reorder_primitive_desc_create": [ctypes.POINTER(vp), vp, vp, vp, vp, vp],
         "dnnl_primitive_desc_query_md": [vp, ctypes.c_int, ctypes.c_int],
         "dnnl_primitive_desc_query": [vp, ctypes.c_int, ctypes.c_int, vp],
