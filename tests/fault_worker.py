@@ -14,6 +14,7 @@ import sys
 
 import plsc.checkpoint.manager as checkpoint
 import plsc.fileio as fileio
+from plsc.process import ending
 import scripts
 
 
@@ -43,4 +44,4 @@ if os.environ.get("FAULT_ENOSPC"):
 if os.environ.get("FAULT_NO_PRECHECK"):
     checkpoint._fits = lambda need, free: True
 
-sys.exit(scripts.load("tools/train.py").main(sys.argv[1:]))
+ending.end(scripts.load("tools/train.py").main(sys.argv[1:]))

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 import rank_report
+from plsc.process import ending
 
 SHAPES = ((7, 5), (300,), (3, 4, 2), (64,))
 MODES = ("backward", "thread", "after")  # Optimizer.grad_sync (the trainer's own check of it)
@@ -218,8 +219,11 @@ def main():
     for mode in MODES:
         report.update({f"trainer.{mode}.{k}": v
                        for k, v in trainer_case(args.data, args.out, rank, mode).items()})
+    # how this rank ends (plsc.process.ending, as every tool's): a rank of a group of two
+    report["rank_of_several"] = np.array(ending.is_rank_of_several())
     rank_report.write_arrays(report)
 
 
 if __name__ == "__main__":
     main()
+    ending.end(0)

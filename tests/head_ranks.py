@@ -10,6 +10,7 @@ import os
 import traceback
 
 import rank_report
+from plsc.process import ending
 from head_cases.adaface_subcenters import (ADAFACE_CASES, SUBCENTER_CASES, adaface_case_name,
                                            check_adaface_clamps, check_adaface_steps,
                                            check_subcenters, subcenter_case_name)
@@ -78,3 +79,4 @@ def run():
 
 if __name__ == "__main__":
     run()
+    ending.end(0)

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 import rank_report
+from plsc.process import ending
 
 CASES = {
     "sgd_dense_fp32wire": {"Loss": {"param_dtype": "float32"}},
@@ -128,3 +129,4 @@ def gloo_group_sums():
 
 if __name__ == "__main__":
     main()
+    ending.end(0)

@@ -18,7 +18,7 @@ import sys
 import time
 
 import scripts
-from plsc.process import startup
+from plsc.process import ending, startup
 
 startup.hold()  # as tools/train.py does, before Paddle is imported
 
@@ -78,4 +78,4 @@ elif at == "verify":
         return real_verify(*args, **kwargs)
     manager.verify_checkpoint = verify
 
-sys.exit(scripts.load("tools/train.py").main(sys.argv[4:]))
+ending.end(scripts.load("tools/train.py").main(sys.argv[4:]))

@@ -72,7 +72,7 @@ import subprocess  # noqa: E402
 
 import rank_report  # noqa: E402
 import scripts  # noqa: E402
-from plsc.process import startup  # noqa: E402
+from plsc.process import ending, startup  # noqa: E402
 
 startup.hold()  # as tools/train.py does, before Paddle is imported
 
@@ -133,4 +133,4 @@ def write_rows(path, array):
 manager.write_rows_npy = write_rows
 code = scripts.load("tools/train.py").main(sys.argv[1:])
 rank_report.write({"status": code})
-sys.exit(code)
+ending.end(code)

@@ -150,6 +150,12 @@ def two_ranks(tmp_path_factory, run_ranks):
     return done.reports
 
 
+def test_each_rank_ends_as_a_rank_of_several(two_ranks):
+    """`plsc.process.ending` sees the real group of two (each rank then ends through os._exit,
+    and the run's status above is 0)."""
+    assert [bool(r["rank_of_several"]) for r in two_ranks] == [True, True]
+
+
 CASES = WIRES + ("float16_device",)  # float16's gathered sum on the device kernel set too
 
 

@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 import rank_report
+from plsc.process import ending
 
 STEPS = 2
 PER_RANK = 3  # samples per rank and step
@@ -210,3 +211,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    ending.end(0)

@@ -10,6 +10,7 @@ import rank_report
 from trainer_common import config
 
 from plsc.distributed import get_rank, get_world_size
+from plsc.process import ending
 from plsc.train import Trainer
 
 data, out = sys.argv[1], sys.argv[2]
@@ -22,3 +23,4 @@ rank_report.write({"rank": rank, "world_size": get_world_size(), "losses": [v fo
                    "backbone": {n: float(p.abs().sum())
                                 for n, p in trainer.backbone.named_parameters()
                                 if not p.stop_gradient}}, rank)
+ending.end(0)

@@ -21,6 +21,7 @@ import sys
 
 from plsc.checkpoint import read_meta, verify_checkpoint
 from plsc.cli import report_mistake, run_tool
+from plsc.process import ending
 
 
 def verify(a):
@@ -72,4 +73,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

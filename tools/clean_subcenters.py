@@ -15,9 +15,8 @@ dominant ones) to go on training with the cleaned set:
 
 See plsc/apps/cleaning.py for the details.
 """
-import sys
-
 from plsc.cli import config_parser, run_tool
+from plsc.process import ending
 
 
 def clean(cfg, checkpoint, threshold, out_dir, write_rec):
@@ -56,4 +55,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

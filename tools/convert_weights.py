@@ -22,9 +22,9 @@ vit_l_dp005_mask_005, vit_h. Exit status: 0, 2 for a bad argument or weights tha
 (one line naming the keys and shapes), 65 for a damaged checkpoint. More: docs/weights.md.
 """
 import argparse
-import sys
 
 from plsc.cli import positive_int, report_mistake
+from plsc.process import ending
 
 
 def main(argv=None):
@@ -66,4 +66,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

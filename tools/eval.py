@@ -4,9 +4,8 @@
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval.py -c CONFIG -o Global.pretrained=backbone.pdparams
     python tools/eval.py -c configs/arcface_r50.yaml --onnx buffalo_l/w600k_r50.onnx
 """
-import sys
-
 from plsc.cli import add_onnx_options, config_parser, run_tool
+from plsc.process import ending
 
 
 def evaluate(cfg, args):
@@ -27,4 +26,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -5,9 +5,8 @@
     python -m paddle.distributed.launch --nproc_per_node 8 tools/eval_allpairs.py -c CONFIG \
         --embeddings emb.npy --labels emb_labels.npy --far 1e-6 --far 1e-7
 """
-import sys
-
 from plsc.cli import FAR, config_parser, positive_int, run_tool
+from plsc.process import ending
 
 
 def evaluate(cfg, args):
@@ -37,4 +36,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

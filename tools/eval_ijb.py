@@ -10,9 +10,8 @@ CMC and TPIR at FPIR per gallery, and insightface's ijb_1n.py figures) of a trai
     python tools/eval_ijb.py -c configs/arcface_r50.yaml --root IJB_release/IJBC --target IJBC \
         --protocol 1n --features ijbc_feats.npy
 """
-import sys
-
 from plsc.cli import add_onnx_options, config_parser, run_tool
+from plsc.process import ending
 
 
 def evaluate(cfg, args):
@@ -62,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

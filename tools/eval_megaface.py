@@ -6,9 +6,8 @@ for a probe set (FaceScrub layout) against a distractor set, from images or embe
         --distractor-noise megaface_noises.txt --save-embeddings emb/mf
     python tools/eval_megaface.py -c CONFIG --probes emb/mf_probes.npy --distractors emb/mf_distractors.npy
 """
-import sys
-
 from plsc.cli import FAR, add_onnx_options, config_parser, positive_int, run_tool
+from plsc.process import ending
 
 
 def evaluate(cfg, args):
@@ -47,4 +46,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -7,9 +7,8 @@ was skipped (`onnx: skipped: --no-onnx`, or paddle2onnx not installed). A checkp
 with another Model.name, Model.embedding_size or Data.image_size than the config's is refused
 (exit 2, naming the -o that matches); see docs/weights.md, "Loading weights".
 """
-import sys
-
 from plsc.cli import config_parser, run_tool
+from plsc.process import ending
 
 
 def export(cfg, output, onnx):
@@ -35,4 +34,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

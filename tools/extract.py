@@ -3,9 +3,8 @@
     python tools/extract.py -c CONFIG -o Global.checkpoint=latest --input data/ms1mv3 --output emb.npy
     python tools/extract.py -c CONFIG --onnx buffalo_l/w600k_r50.onnx --input data/ms1mv3 --output emb.npy
 """
-import sys
-
 from plsc.cli import add_onnx_options, config_parser, positive_int, run_tool
+from plsc.process import ending
 
 
 def extract(cfg, args):
@@ -28,4 +27,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -7,10 +7,10 @@ Prints a summary as one JSON line. A bad number ends with argparse's line and ex
 an output folder that cannot be written with one line and 74 (docs/faults.md).
 """
 import argparse
-import sys
 import time
 
 from plsc.cli import in_range, positive_float, positive_int, report_summary
+from plsc.process import ending
 
 
 def make(args):
@@ -42,4 +42,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -14,9 +14,8 @@ with plsc.data.align to --image-size and stored as JPEG. The pack is written ato
 """
 import argparse
 import os
-import sys
 
-from plsc.process import startup
+from plsc.process import ending, startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
@@ -69,4 +68,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -19,9 +19,8 @@ import argparse
 import functools
 import logging
 import os
-import sys
 
-from plsc.process import startup
+from plsc.process import ending, startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
@@ -140,4 +139,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

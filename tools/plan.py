@@ -20,7 +20,7 @@ line and status 2. docs/scaling.md explains the model and its checks.
 import argparse
 import sys
 
-from plsc.process import startup
+from plsc.process import ending, startup
 
 startup.hold()
 
@@ -81,4 +81,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -29,6 +29,7 @@ from plsc.checkpoint import (convert_checkpoint, export_classifier, import_class
 from plsc.checkpoint.lock import lock_folder, run_folder_of
 from plsc.cli import positive_int, report_mistake
 from plsc.dtypes import FLOAT_DTYPES
+from plsc.process import ending
 
 
 def main(argv=None):
@@ -89,4 +90,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

@@ -8,9 +8,8 @@ report the overlap of a training and a test set.
     python tools/search.py -c CONFIG overlap --train-names data/train_folder --test-names test_names.txt \
         --train-embeddings train.npy --test-embeddings test.npy --threshold 0.7 --output overlap.json
 """
-import sys
-
 from plsc.cli import FAR, config_parser, positive_int, run_tool
+from plsc.process import ending
 
 
 def task(cfg, args):
@@ -73,4 +72,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())

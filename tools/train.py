@@ -18,7 +18,7 @@ status 70 and one line naming the last finite checkpoint (see docs/faults.md).
 """
 import sys
 
-from plsc.process import startup
+from plsc.process import ending, startup
 
 startup.hold()  # first, before anything imports Paddle: a SIGTERM now ends the run with 75
 
@@ -55,4 +55,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ending.end(main())
