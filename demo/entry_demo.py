@@ -9,6 +9,7 @@ Trains a small IResNet with a class-sharded CosFace head on synthetic identities
 import argparse
 
 from plsc import Entry
+from plsc.process import ending
 
 
 def main():
@@ -43,3 +44,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    ending.end(0)  # a launched rank leaves without the C++ static destructors (docs/faults.md)

@@ -21,6 +21,7 @@ import plsc.distributed as pd
 from plsc.loss import ArcFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseMomentum
+from plsc.process import ending
 
 
 def make_batch(rng, centres, batch_size, noise):
@@ -71,3 +72,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    ending.end(0)  # a launched rank leaves without the C++ static destructors (docs/faults.md)
