@@ -13,11 +13,11 @@ README's "The head in a hand-written loop".
 """
 import argparse
 
+import plsc.distributed as pd  # first: plsc sets MKL's dispatch before Paddle loads
 import numpy as np
 import paddle
 from paddle import nn
 
-import plsc.distributed as pd
 from plsc.loss import ArcFace
 from plsc.nn import PartialFC
 from plsc.optim import SparseMomentum
