@@ -11,27 +11,27 @@ SIGSEGV, and a rank that had finished its run and written everything ended with 
 srun, -11 under Paddle's launcher (seen in CI: 2 of 3 full runs; a core dump shows the store's
 thread in `LibUVClient::readCallback` → `abort` while the main thread was in `exit`). Everything
 a run writes is closed before the tool returns (files, checkpoints, the VisualDL writer, the
-loader's workers), so nothing is lost by skipping them. Importing this module imports nothing.
+loader's workers), so nothing is lost by skipping them. Importing this module imports nothing but
+the standard library's `atexit`, `os` and `sys`.
 """
+import atexit
+import os
+import sys
 
 __all__ = ["end", "is_rank_of_several"]
 
 
 def is_rank_of_several():
     """True when this process joined a Paddle process group of two or more ranks."""
-    import sys
     dist = sys.modules.get("paddle.distributed")  # not imported: no group was formed
     return dist is not None and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def end(status):
     """Exit with `status` (an int, or None for 0), the way the module docstring says."""
-    import sys
     status = 0 if status is None else int(status)
     if not is_rank_of_several():
         sys.exit(status)
-    import atexit
-    import os
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
