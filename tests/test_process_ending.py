@@ -2,7 +2,7 @@
 handlers, flushes its output and leaves with os._exit (no finalisation, no C++ static
 destructors: Paddle 3.3's store server aborted during them, see the module); any other process
 exits the usual way. Here in a child process, with `paddle.distributed` stood in by a module
-that reports a group of `WORLD` ranks; tests/test_grad_sync.py checks the real group of two."""
+that reports a group of `world` ranks; tests/test_grad_sync.py checks the real group of two."""
 import subprocess
 import sys
 import textwrap
