@@ -396,7 +396,14 @@ def parse_override(text):
     try:
         return keys, yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {text!r}: the value is not valid YAML "
+                          f"({_one_line(e)})") from None
+
+
+def _one_line(error):
+    """PyYAML's message of `error` on one line (it spans three: the problem, the context, the
+    line and column)."""
+    return " ".join(str(error).split())
 
 
 def apply_overrides(raw, overrides):
@@ -421,7 +428,7 @@ def load_config(path, overrides=()):
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({e})") from None
+            raise ConfigError(f"{path}: not valid YAML ({_one_line(e)})") from None
         except UnicodeDecodeError as e:  # an image, a .npy, a .pt given as the config
             raise ConfigError(f"config file {path} is not a text file (byte {e.start} is not "
                               "UTF-8), expected a YAML file such as configs/demo.yaml") from None

@@ -16,6 +16,19 @@ def write(tmp_path, raw):
     return str(path)
 
 
+def test_yaml_that_does_not_parse_is_one_line_naming_file_and_place(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("Global:\n  max_steps: [1, 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value).startswith(f"{path}: not valid YAML (") and "line 3" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MINIMAL), ["Eval.targets=[lfw"])
+    assert str(err.value).startswith("override 'Eval.targets=[lfw': the value is not valid YAML (")
+    assert "\n" not in str(err.value)
+
+
 def test_defaults_and_typed_overrides(tmp_path):
     path = write(tmp_path, MINIMAL)
     cfg = load_config(path, ["Optimizer.lr=0.05", "Eval.targets=[lfw, cfp_fp]",
