@@ -19,7 +19,6 @@ import time
 import numpy as np
 
 import rank_report
-from plsc.process import ending
 
 CASES = {
     "sgd_dense_fp32wire": {"Loss": {"param_dtype": "float32"}},
@@ -129,4 +128,3 @@ def gloo_group_sums():
 
 if __name__ == "__main__":
     main()
-    ending.end(0)
